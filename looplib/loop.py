@@ -1,0 +1,84 @@
+"""The training loop. One function, read top to bottom; every technique is a strategy object.
+
+Per micro-batch: batch to device -> forward and loss under the precision context -> backward
+through the precision strategy. At the end of each accumulation window only: unscale, clip,
+optimizer step, scheduler step, *then* zero the gradients (step-then-zero).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .accumulation import Accumulation
+from .data import Epochs
+from .engines import Engine
+from .precision import Precision
+from .telemetry import Telemetry
+
+
+@dataclass
+class TrainState:
+    step: int = 0     # optimizer-step boundaries reached (skipped fp16 steps included)
+    epoch: int = 0
+
+
+def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: torch.optim.Optimizer,
+        max_steps: int, scheduler=None, precision: Precision | None = None,
+        accumulation: Accumulation | None = None, engine: Engine | None = None,
+        max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
+        eval_data=None, eval_every: int = 0, state: TrainState | None = None) -> TrainState:
+    """Train ``model`` (already on ``engine``'s device) for ``max_steps`` optimizer steps."""
+    precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
+    engine, state = engine or Engine("cpu"), state or TrainState()
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
+    epochs = data if isinstance(data, Epochs) else Epochs(data)
+    telemetry.watch(optimizer)
+    model.train()
+    if state.step >= max_steps:
+        return state
+    for window in accumulation.windows(epochs, objective.count):
+        items = engine.global_items(window.items)  # normalise by the whole window, all ranks
+        for i, batch in enumerate(window.batches):
+            batch = engine.to_device(batch)
+            with engine.accumulating(model, last=i == len(window) - 1):  # DDP: sync on the last only
+                with precision.autocast():
+                    loss = objective(model, batch) / items
+                precision.backward(loss)
+            telemetry.add(loss)
+        precision.unscale(optimizer)                 # fp16: once per step, before clipping
+        grad_norm = clip_grad_norm(model, max_grad_norm)
+        precision.step(optimizer)                    # fp16: skipped if gradients hold inf/NaN
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)        # step, *then* zero
+        state.step, state.epoch = state.step + 1, epochs.epoch
+        telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm)
+        if eval_data is not None and eval_every and state.step % eval_every == 0:
+            telemetry.eval(state.step, evaluate(model, eval_data, objective, precision, engine))
+        if state.step >= max_steps:
+            break
+    return state
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor | None:
+    """Clip to ``max_norm`` (off when None or 0). Returns the norm as a device tensor: no sync."""
+    if not max_norm:
+        return None
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, batches, objective, precision: Precision, engine: Engine) -> float:
+    """Mean loss per item over ``batches``, under the precision context, in inference mode."""
+    was_training = model.training
+    model.eval()
+    total, items = torch.zeros((), device=engine.device), 0
+    for batch in batches:
+        items += objective.count(batch)
+        with precision.autocast():
+            total += objective(model, engine.to_device(batch)).float()
+    model.train(was_training)
+    return total.item() / max(items, 1)

@@ -1,0 +1,84 @@
+"""A GPT-style decoder in plain PyTorch: pre-norm blocks, SDPA causal attention, tied embeddings."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool):
+        super().__init__()
+        assert d_model % n_head == 0, "d_model must be a multiple of n_head"
+        self.n_head, self.dropout, self.causal = n_head, dropout, causal
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, attn_mask=None):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        # SDPA picks flash / memory-efficient kernels on CUDA when it can
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, causal: bool = True):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_head, dropout, causal)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
+
+    def forward(self, x, attn_mask=None):
+        x = x + self.attn(self.ln1(x), attn_mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """``model(input_ids) -> logits``; sizes: tiny (default job) and gpt2_small in conf/model/."""
+
+    def __init__(self, vocab_size: int, seq_len: int, n_layer: int = 4, n_head: int = 4,
+                 d_model: int = 128, dropout: float = 0.0):
+        super().__init__()
+        self.seq_len = seq_len
+        self.config = dict(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer,
+                           n_head=n_head, d_model=d_model)
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: one matrix, counted once
+        self.apply(init_weights)
+        for block in self.blocks:  # GPT-2's scaled init of the residual projections
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / (2 * n_layer) ** 0.5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1]
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.inference_mode()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int = 40, generator: torch.Generator | None = None) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            logits = self(ids[:, -self.seq_len:])[:, -1].float() / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return ids
+
+
+def init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,188 @@
+"""Optimizer factories and learning-rate schedules.
+
+A factory holds settings from its config file (``conf/optim/<name>.yaml``) and builds the
+optimizer once the model exists: runtime objects are passed where they are used, never put
+in config. Every factory shares one parameter-grouping policy, ``param_groups``.
+"""
+from __future__ import annotations
+
+import math
+from importlib import resources
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+# Parameters owned by these modules never decay (by module type, not by parameter name).
+NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase, nn.RMSNorm,
+)
+
+
+def is_no_decay_module(module: nn.Module) -> bool:
+    # Third-party norms (LlamaRMSNorm, T5LayerNorm, ...) do not subclass torch's: they are
+    # recognised by their class name, the one convention all of them follow.
+    return isinstance(module, NO_DECAY_MODULES) or type(module).__name__.endswith("Norm")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weights, and biases / norm weights / embeddings without decay.
+
+    Parameters keep ``model.parameters()`` order; shared (tied) parameters appear once and do
+    not decay if any module that owns them is a no-decay module.
+    """
+    no_decay: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias" or is_no_decay_module(module):
+                no_decay.add(id(p))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if id(p) not in no_decay]
+    rest = [p for p in trainable if id(p) in no_decay]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
+
+
+def embedding_weights(model: nn.Module) -> list[nn.Parameter]:
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+class OptimizerFactory:
+    """Base class: subclasses implement ``create(groups)``; ``build(model)`` is what the loop uses."""
+
+    def __init__(self, lr: float, weight_decay: float = 0.0):
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        return self.create(param_groups(model, self.weight_decay))
+
+    def create(self, groups: list[dict]) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+
+class AdamW(OptimizerFactory):
+    """``torch.optim.AdamW``; ``impl`` picks fused, foreach or for-loop kernels (auto: fused on CUDA)."""
+
+    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, impl: str = "auto"):
+        super().__init__(lr, weight_decay)
+        if impl not in ("auto", "fused", "foreach", "for-loop"):
+            raise ConfigError("optim.impl", f"unknown implementation {impl!r}",
+                              "use auto, fused, foreach or for-loop")
+        self.betas, self.eps, self.impl = tuple(betas), eps, impl
+
+    def create(self, groups):
+        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+        impl = ("fused" if on_cuda else "foreach") if self.impl == "auto" else self.impl
+        kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, **kw)
+
+
+class SGD(OptimizerFactory):
+    """``torch.optim.SGD`` with momentum (4 bytes of state per parameter)."""
+
+    def __init__(self, lr, weight_decay=0.0, momentum=0.9, nesterov=False):
+        super().__init__(lr, weight_decay)
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def create(self, groups):
+        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+
+
+class Adafactor(OptimizerFactory):
+    """``torch.optim.Adafactor``: factored second moments, a little over 4 bytes/param for matrices."""
+
+    def __init__(self, lr, weight_decay=0.0, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0):
+        super().__init__(lr, weight_decay)
+        self.beta2_decay, self.eps, self.d = beta2_decay, tuple(eps), d
+
+    def create(self, groups):
+        return torch.optim.Adafactor(groups, lr=self.lr, beta2_decay=self.beta2_decay,
+                                     eps=self.eps, d=self.d)
+
+
+class Adam8bit(OptimizerFactory):
+    """bitsandbytes 8-bit Adam(W): 2 bytes of state per parameter.
+
+    Tensors under ``min_8bit_size`` elements keep 32-bit state (bitsandbytes' own rule), and
+    embedding weights keep 32-bit state through bitsandbytes' override manager, as its
+    authors advise for stability. bitsandbytes is imported here, only when chosen.
+    """
+
+    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                 min_8bit_size: int = 4096, embeddings_32bit: bool = True):
+        super().__init__(lr, weight_decay)
+        self.betas, self.eps = tuple(betas), eps
+        self.min_8bit_size, self.embeddings_32bit = min_8bit_size, embeddings_32bit
+        self.bnb = import_bitsandbytes()
+
+    def build(self, model):
+        opt = self.create(param_groups(model, self.weight_decay))
+        # bitsandbytes keeps overrides in a process-wide table keyed by id(parameter): drop
+        # entries left for our ids by earlier, garbage-collected parameters before adding ours.
+        manager = self.bnb.optim.GlobalOptimManager.get_instance()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                manager.pid2config.pop(id(p), None)
+        if self.embeddings_32bit:
+            for weight in embedding_weights(model):
+                manager.override_config(weight, "optim_bits", 32)
+        return opt
+
+    def create(self, groups):
+        return self.bnb.optim.AdamW8bit(groups, lr=self.lr, betas=self.betas, eps=self.eps,
+                                        min_8bit_size=self.min_8bit_size)
+
+
+def import_bitsandbytes():
+    import logging
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+            import bitsandbytes
+    except ImportError as err:
+        raise ConfigError("optim", f"this optimizer needs bitsandbytes, which does not import ({err})",
+                          "pip install 'looplib[bnb]' or choose +optim=adamw") from None
+    return bitsandbytes
+
+
+def list_optimizers() -> list[str]:
+    """The optimizer options ``+optim=<name>`` accepts (the files under conf/optim/)."""
+    folder = resources.files("looplib.conf") / "optim"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+# ---------------------------------------------------------------- learning-rate schedules
+
+
+class Schedule:
+    """Constant learning rate: the null schedule. ``factor(step)`` multiplies the base lr."""
+
+    def build(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.factor(step, total_steps))
+
+    def factor(self, step: int, total_steps: int) -> float:
+        return 1.0
+
+
+Constant = Schedule
+
+
+class WarmupCosine(Schedule):
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
+
+    def __init__(self, warmup_steps: int = 100, min_ratio: float = 0.1):
+        if warmup_steps < 0 or not 0.0 <= min_ratio <= 1.0:
+            raise ConfigError("schedule", f"warmup_steps={warmup_steps}, min_ratio={min_ratio}",
+                              "use warmup_steps >= 0 and 0 <= min_ratio <= 1")
+        self.warmup_steps, self.min_ratio = warmup_steps, min_ratio
+
+    def factor(self, step, total_steps):
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,133 @@
+"""Precision strategies: fp32 (the null object), tf32, fp16 with GradScaler, bf16.
+
+The loop calls, in order: ``autocast()`` around forward and loss, ``backward(loss)``,
+then at the accumulation boundary ``unscale(optimizer)`` (before clipping) and
+``step(optimizer)``. Each class overrides only what differs from plain fp32.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .errors import ConfigError
+
+
+class Precision:
+    """fp32: plain PyTorch. Every other precision overrides two or three of these methods."""
+
+    name = "fp32"
+    scaler: torch.amp.GradScaler | None = None
+
+    def setup(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``.grad`` hold true gradients before clipping (a no-op without a scaler)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+FP32 = Precision
+
+
+class TF32(Precision):
+    """fp32 storage, TensorFloat-32 matmuls and convolutions on Ampere and newer GPUs."""
+
+    name = "tf32"
+
+    def setup(self, device):
+        super().setup(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+class Autocast(Precision):
+    """Mixed precision: fp32 weights, forward under ``torch.autocast`` in ``dtype``."""
+
+    dtype: torch.dtype
+
+    def setup(self, device):
+        super().setup(device)
+        check_autocast(self.name, self.device, self.dtype)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+class BF16(Autocast):
+    """bfloat16 autocast. Same exponent range as fp32, so no loss scaling and no scaler."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+class FP16(Autocast):
+    """float16 autocast with a dynamic loss scaler (``torch.amp.GradScaler``).
+
+    A step whose gradients hold inf/NaN is skipped by the scaler and the scale shrinks;
+    the loop counts skipped steps through an optimizer step hook.
+    """
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scaler_args = dict(init_scale=init_scale, growth_factor=growth_factor,
+                                backoff_factor=backoff_factor, growth_interval=growth_interval)
+
+    def setup(self, device):
+        super().setup(device)
+        self.scaler = torch.amp.GradScaler(self.device.type, **self.scaler_args)
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer):
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer):
+        self.scaler.step(optimizer)  # skips optimizer.step() when gradients are not finite
+        self.scaler.update()
+
+    def state_dict(self):
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def check_autocast(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a precision the device cannot run, once, at build time."""
+    fix = "choose another precision (+precision=fp32 or +precision=bf16) or another device"
+    if not torch.amp.is_autocast_available(device.type):
+        raise ConfigError("precision", f"{name} needs autocast, which {device.type} does not offer", fix)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision", f"bf16 is not supported by {torch.cuda.get_device_name(device)}",
+                          "use +precision=fp16 on this GPU")
+    if not autocast_works(device, dtype):
+        raise ConfigError("precision", f"{name} autocast does not run on {device}", fix)
+
+
+def autocast_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run one tiny matmul under autocast: the only reliable test of what a device can do."""
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            x = torch.ones(8, 8, device=device)
+            return (x @ x).dtype == dtype
+    except (RuntimeError, TypeError, ValueError):
+        return False

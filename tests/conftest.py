@@ -1,0 +1,47 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from looplib.data import RandomTokens
+from looplib.models import GPT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_gpt(seed: int = 0, vocab: int = 64, seq_len: int = 16) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(vocab_size=vocab, seq_len=seq_len, n_layer=2, n_head=2, d_model=32)
+
+
+def random_tokens(n: int = 32, seq_len: int = 16, vocab: int = 64, seed: int = 0) -> RandomTokens:
+    return RandomTokens(n, seq_len, vocab, seed=seed)
+
+
+def has_bitsandbytes() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_bnb = pytest.mark.skipif(not has_bitsandbytes(), reason="bitsandbytes is not installed")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "looplib.train",
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m looplib.train ARGS`` the way a user types it."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory) -> str:
+    """One tokenizer cache for every CLI test of the session."""
+    return str(os.environ.get("LOOPLIB_CACHE") or tmp_path_factory.mktemp("cache"))
