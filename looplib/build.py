@@ -57,7 +57,8 @@ class Settings:
         "rule": lambda k, v: v in ("auto", "bar", "lines") or f"progress={v!r} is not a choice"})
 
 
-TYPE_WORDS = {int: "a whole number", float: "a number", str: "a string"}
+TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string",
+              "Optional[float]": "a number (or null)"}
 
 
 def check_settings(cfg: DictConfig) -> Settings:
@@ -68,7 +69,7 @@ def check_settings(cfg: DictConfig) -> Settings:
         try:
             OmegaConf.merge(schema, {f.name: value})
         except OmegaConfBaseException:
-            kind = TYPE_WORDS.get(f.type if isinstance(f.type, type) else None, str(f.type).replace("Optional", "optional "))
+            kind = TYPE_WORDS.get(str(f.type), str(f.type))
             raise ConfigError(f.name, f"{f.name}={value!r} is not {kind}", f.metadata["fix"]) from None
     settings = OmegaConf.to_object(OmegaConf.merge(schema, {f.name: cfg.get(f.name, f.default) for f in fields(Settings)}))
     for f in fields(Settings):

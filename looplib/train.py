@@ -78,7 +78,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     n_params = sum(p.numel() for p in job.model.parameters())
     log.info("training %s (%.2fM parameters) on %s: %d steps of %d x %d sequences, precision %s, optimizer %s",
              type(job.model).__name__, n_params / 1e6, engine.device, s.max_steps, s.batch_size,
-             s.accum_steps, type(job.precision).__name__, type(optimizer).__name__)
+             s.accum_steps, getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
     try:
         state = fit(job.model, Epochs(train), objective=job.objective, optimizer=optimizer,
                     scheduler=scheduler, precision=job.precision, accumulation=Accumulation(s.accum_steps),

@@ -1,0 +1,94 @@
+"""Every file under conf/ composes and builds; the packaged config is what the repo holds."""
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import _locate
+
+from looplib.build import STRATEGY_DEFAULTS, check_settings, fill_strategy_defaults, instantiate
+from looplib.errors import ConfigError
+
+from conftest import REPO, has_bitsandbytes
+
+CONF = REPO / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "__pycache__")
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+IN_DEFAULTS = {"model", "data", "loss"}
+
+
+def compose_with(*overrides):
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch):
+    if option == "adam8bit" and not has_bitsandbytes():
+        pytest.skip("bitsandbytes is not installed")
+    monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path))
+    prefix = "" if group in IN_DEFAULTS else "+"
+    data = [] if group == "data" else ["data=random"]
+    cfg = compose_with(f"{prefix}{group}={option}", *data)
+    check_settings(cfg)
+    fill_strategy_defaults(cfg)
+    obj = instantiate(cfg, group)
+    assert type(obj) is _locate(cfg[group]._target_)
+    if group == "model":
+        assert sum(p.numel() for p in obj.parameters()) > 0
+    if group == "precision":
+        obj.setup(torch.device("cpu"))
+
+
+def test_every_yaml_opens_with_the_command_that_uses_it():
+    for path in CONF.rglob("*.yaml"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# python -m looplib.train"), path
+
+
+def test_strategy_groups_stay_out_of_the_defaults_list():
+    cfg = compose_with()
+    for group in STRATEGY_DEFAULTS:
+        assert group not in cfg, f"{group} in the defaults list would break +{group}=..."
+    fill_strategy_defaults(cfg)
+    assert cfg.precision._target_ == "looplib.precision.FP32"
+    assert cfg.optim._target_ == "looplib.optim.AdamW" and cfg.optim.lr == cfg.lr
+    assert cfg.schedule._target_ == "looplib.optim.Constant"
+
+
+def test_every_conf_folder_is_packaged():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = set(pyproject["tool"]["setuptools"]["packages"])
+    for group in GROUPS:
+        assert f"looplib.conf.{group}" in packages, f"add looplib.conf.{group} to pyproject.toml"
+        assert (CONF / group / "__init__.py").exists()
+
+
+def test_the_cli_key_set_is_frozen():
+    """Tests and users rely on these names: renaming one is a breaking change."""
+    cfg = compose_with()
+    assert set(cfg) == {"model", "data", "loss", "device", "seed", "max_steps", "batch_size", "accum_steps",
+                        "lr", "weight_decay", "max_grad_norm", "log_every", "eval_every", "eval_batches",
+                        "sample_tokens", "progress", "loader"}
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("max_steps", "abc", "max_steps='abc' is not a whole number"),
+    ("accum_steps", 0, "accum_steps must be at least 1"),
+    ("batch_size", -1, "batch_size must be at least 1"),
+    ("lr", -1, "lr must be positive"),
+    ("lr", "fast", "lr='fast' is not a number"),
+    ("max_grad_norm", -2.0, "max_grad_norm must not be negative"),
+    ("progress", "loud", "progress='loud' is not a choice"),
+])
+def test_settings_errors_name_the_key(key, value, message):
+    cfg = compose_with(f"{key}={value}")
+    with pytest.raises(ConfigError) as err:
+        check_settings(cfg)
+    assert err.value.key == key and message in str(err.value)
+
+
+def test_settings_convert_strings():
+    s = check_settings(compose_with("max_steps=12", "lr=1e-4", "max_grad_norm=null"))
+    assert s.max_steps == 12 and s.lr == 1e-4 and s.max_grad_norm is None

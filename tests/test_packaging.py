@@ -1,0 +1,31 @@
+"""conf/ is found from a plain (non-editable) install too, whatever the working directory."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.slow
+def test_plain_install_finds_the_packaged_config(tmp_path):
+    target = tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--no-build-isolation", "--target", str(target), str(REPO)],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    assert (target / "looplib" / "conf" / "precision" / "bf16.yaml").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}  # ahead of the editable install
+    where = subprocess.run([sys.executable, "-c", "import looplib; print(looplib.__file__)"],
+                           capture_output=True, text=True, cwd=elsewhere, env=env)
+    assert where.stdout.startswith(str(target)), where.stdout + where.stderr
+    run_dir = elsewhere / "run"
+    r = subprocess.run([sys.executable, "-m", "looplib.train", "+precision=bf16", "data=random",
+                        "max_steps=2", "batch_size=2", "eval_batches=1", "sample_tokens=0",
+                        f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=elsewhere, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2

@@ -1,0 +1,36 @@
+"""Metrics rows hold the promised keys, and the throughput agrees with steps x batch / time."""
+import json
+
+import pytest
+
+from looplib import optim as lo
+from looplib.data import build_loader
+from looplib.loop import fit
+from looplib.objectives import TokenCrossEntropy
+from looplib.telemetry import Telemetry
+
+from conftest import random_tokens, tiny_gpt
+
+
+def test_metrics_rows_and_throughput(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    model = tiny_gpt()
+    loader = build_loader(random_tokens(n=64), batch_size=4, seed=0)
+    telemetry = Telemetry(path, log_every=4, total_steps=12, progress="lines")
+    fit(model, loader, objective=TokenCrossEntropy(), optimizer=lo.AdamW(lr=1e-3).build(model),
+        max_steps=12, telemetry=telemetry, max_grad_norm=1.0)
+    telemetry.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 4, 8, 12]
+    for r in rows:
+        assert {"step", "epoch", "loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s",
+                "skipped_steps", "peak_mem_mb", "elapsed_s"} <= set(r)
+        assert r["skipped_steps"] == 0 and r["peak_mem_mb"] > 0
+    # every step holds 4 sequences of 16 tokens; each row covers the steps since the last one
+    for r in rows:
+        assert r["samples_per_s"] == pytest.approx(4 / r["step_time_s"], rel=1e-6)
+        assert r["tokens_per_s"] == pytest.approx(16 * r["samples_per_s"], rel=1e-6)
+    steps = [r["step"] - p for p, r in zip([0] + [r["step"] for r in rows[:-1]], rows)]
+    assert steps == [1, 3, 4, 4]
+    total = sum(r["step_time_s"] * n for r, n in zip(rows, steps))
+    assert total <= rows[-1]["elapsed_s"] and total == pytest.approx(rows[-1]["elapsed_s"], rel=0.1)
