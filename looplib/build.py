@@ -52,13 +52,16 @@ class Settings:
     eval_batches: int = field(default=8, metadata={"fix": "use e.g. eval_batches=8", "rule": non_negative})
     sample_tokens: int = field(default=160, metadata={"fix": "use e.g. sample_tokens=100 (0: no sample)",
                                                        "rule": non_negative})
+    max_bad_steps: int = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)",
+                                                      "rule": non_negative})
+    resume: Optional[str] = field(default=None, metadata={"fix": "use resume=auto, resume=PATH or resume=null"})
     progress: str = field(default="auto", metadata={
         "fix": "use progress=auto, bar or lines",
         "rule": lambda k, v: v in ("auto", "bar", "lines") or f"progress={v!r} is not a choice"})
 
 
 TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string",
-              "Optional[float]": "a number (or null)"}
+              "Optional[float]": "a number (or null)", "Optional[str]": "a string (or null)"}
 
 
 def check_settings(cfg: DictConfig) -> Settings:
@@ -77,7 +80,16 @@ def check_settings(cfg: DictConfig) -> Settings:
         verdict = rule(f.name, getattr(settings, f.name)) if rule else True
         if verdict is not True:
             raise ConfigError(f.name, f"{verdict} (got {f.name}={getattr(settings, f.name)!r})", f.metadata["fix"])
+    check_checkpoint(cfg)
     return settings
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    for key, least in (("every_steps", 0), ("keep", 1)):
+        value = cfg.get("checkpoint", {}).get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"checkpoint.{key}", f"checkpoint.{key}={value!r} must be a whole number >= {least}",
+                              "e.g. checkpoint.every_steps=100 checkpoint.keep=2")
 
 
 def fill_strategy_defaults(cfg: DictConfig) -> None:

@@ -6,8 +6,6 @@ optimizer step, scheduler step, *then* zero the gradients (step-then-zero).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -16,25 +14,23 @@ from .accumulation import Accumulation
 from .data import Epochs
 from .engines import Engine
 from .precision import Precision
+from .state import Checkpoints, TrainState
 from .telemetry import Telemetry
-
-
-@dataclass
-class TrainState:
-    step: int = 0     # optimizer-step boundaries reached (skipped fp16 steps included)
-    epoch: int = 0
 
 
 def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: torch.optim.Optimizer,
         max_steps: int, scheduler=None, precision: Precision | None = None,
         accumulation: Accumulation | None = None, engine: Engine | None = None,
         max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
-        eval_data=None, eval_every: int = 0, state: TrainState | None = None) -> TrainState:
-    """Train ``model`` (already on ``engine``'s device) for ``max_steps`` optimizer steps."""
+        eval_data=None, eval_every: int = 0, checkpoints: Checkpoints | None = None,
+        state: TrainState | None = None) -> TrainState:
+    """Train ``model`` (already on ``engine``'s device) until ``state.step == max_steps``, or
+    until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True)."""
     precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
     engine, state = engine or Engine("cpu"), state or TrainState()
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
+    checkpoints = checkpoints or Checkpoints(None)
     epochs = data if isinstance(data, Epochs) else Epochs(data)
     telemetry.watch(optimizer)
     model.train()
@@ -51,23 +47,25 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
             telemetry.add(loss)
         precision.unscale(optimizer)                 # fp16: once per step, before clipping
         grad_norm = clip_grad_norm(model, max_grad_norm)
-        precision.step(optimizer)                    # fp16: skipped if gradients hold inf/NaN
+        precision.step(optimizer, grad_norm)         # skipped if gradients hold inf/NaN
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)        # step, *then* zero
-        state.step, state.epoch = state.step + 1, epochs.epoch
+        state.end_window(epochs, updated=telemetry.updated())
         telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm)
         if eval_data is not None and eval_every and state.step % eval_every == 0:
             telemetry.eval(state.step, evaluate(model, eval_data, objective, precision, engine))
-        if state.step >= max_steps:
+        if checkpoints.after_step(state) or state.step >= max_steps:  # saves when due; preemption
             break
     return state
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor | None:
-    """Clip to ``max_norm`` (off when None or 0). Returns the norm as a device tensor: no sync."""
-    if not max_norm:
-        return None
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip to ``max_norm`` (None or 0: measure only). Returns the total gradient norm as a
+    device tensor, without a host-device sync."""
+    if max_norm:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
 
 
 @torch.inference_mode()

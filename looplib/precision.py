@@ -19,6 +19,11 @@ class Precision:
     name = "fp32"
     scaler: torch.amp.GradScaler | None = None
 
+    def __init__(self, skip_nonfinite: bool = True):
+        # Skipping a step whose gradient norm is inf/NaN needs its value on the host: one
+        # host-device sync per step. skip_nonfinite=False trades that safety for the sync.
+        self.skip_nonfinite = skip_nonfinite
+
     def setup(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
@@ -31,7 +36,10 @@ class Precision:
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients before clipping (a no-op without a scaler)."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor | None = None) -> None:
+        """Update, unless the gradients are not finite (the update is then skipped and counted)."""
+        if self.skip_nonfinite and grad_norm is not None and not torch.isfinite(grad_norm):
+            return
         optimizer.step()
 
     def state_dict(self) -> dict:
@@ -87,6 +95,7 @@ class FP16(Autocast):
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
+        super().__init__(skip_nonfinite=False)  # the scaler itself skips non-finite steps
         self.scaler_args = dict(init_scale=init_scale, growth_factor=growth_factor,
                                 backoff_factor=backoff_factor, growth_interval=growth_interval)
 
@@ -100,7 +109,7 @@ class FP16(Autocast):
     def unscale(self, optimizer):
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer):
+    def step(self, optimizer, grad_norm=None):
         self.scaler.step(optimizer)  # skips optimizer.step() when gradients are not finite
         self.scaler.update()
 

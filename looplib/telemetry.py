@@ -37,10 +37,11 @@ class Telemetry:
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         self.optimizer_steps = 0      # real optimizer updates (a skipped fp16 step is not one)
         self.boundaries = 0           # accumulation windows closed
-        self._loss, self._watched = None, None
+        self._loss, self._watched, self._seen = None, None, 0
         self._interval = {"steps": 0, "samples": 0, "items": 0}
         self._t0 = self._t_start = time.perf_counter()
         self.last_row: dict = {}
+        self.resumed_from: int | None = None  # marks the first row after a resume
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Count real updates with an optimizer hook: no sync needed to know a step was skipped."""
@@ -50,6 +51,11 @@ class Telemetry:
 
     def _stepped(self, *_):
         self.optimizer_steps += 1
+
+    def updated(self) -> bool:
+        """Whether the optimizer stepped since the last call (False: the step was skipped)."""
+        stepped, self._seen = self.optimizer_steps > self._seen, self.optimizer_steps
+        return stepped
 
     def add(self, loss: torch.Tensor) -> None:
         """One micro-batch's share of the window loss (stays on the device)."""
@@ -78,6 +84,8 @@ class Telemetry:
                "elapsed_s": now - self._t_start}
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
+        if self.resumed_from is not None:
+            row["resumed_from"], self.resumed_from = self.resumed_from, None
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}

@@ -24,7 +24,9 @@ from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .errors import EXIT_CONFIG, ConfigError
-from .loop import TrainState, evaluate, fit
+from .loop import evaluate, fit
+from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
+                    find_checkpoint)
 from .telemetry import Telemetry
 
 log = logging.getLogger("looplib")
@@ -62,8 +64,7 @@ def build_job(cfg: DictConfig) -> Job:
 def run(job: Job, run_dir: Path) -> TrainState:
     s, engine = job.settings, job.engine
     run_dir.mkdir(parents=True, exist_ok=True)
-    if engine.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(job.cfg, resolve=True))
+    config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
     train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
                          rank=engine.rank, world=engine.world_size, **loader_args)
@@ -72,28 +73,71 @@ def run(job: Job, run_dir: Path) -> TrainState:
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
     optimizer = job.optim.build(job.model)
     scheduler = job.schedule.build(optimizer, s.max_steps)
-    telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
-                          device=engine.device, enabled=engine.is_main,
-                          progress=s.progress)
-    n_params = sum(p.numel() for p in job.model.parameters())
-    log.info("training %s (%.2fM parameters) on %s: %d steps of %d x %d sequences, precision %s, optimizer %s",
-             type(job.model).__name__, n_params / 1e6, engine.device, s.max_steps, s.batch_size,
-             s.accum_steps, getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
-    try:
-        state = fit(job.model, Epochs(train), objective=job.objective, optimizer=optimizer,
-                    scheduler=scheduler, precision=job.precision, accumulation=Accumulation(s.accum_steps),
-                    engine=engine, max_steps=s.max_steps, max_grad_norm=s.max_grad_norm,
-                    telemetry=telemetry, eval_data=eval_batches, eval_every=s.eval_every)
-        if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
-            telemetry.eval(state.step, evaluate(job.model, eval_batches, job.objective, job.precision, engine))
-    finally:
-        telemetry.close()
+    epochs, state = Epochs(train), TrainState()
+    ckpt = job.cfg.checkpoint
+    checkpoints = Checkpoints(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, s.max_bad_steps,
+                              config_yaml, engine.is_main, engine)
+    with Preemption() as preemption:
+        checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
+                         precision=job.precision, epochs=epochs, preemption=preemption)
+        if s.resume:
+            resume(checkpoints, state, s.resume, run_dir)
+        if engine.is_main:
+            (run_dir / "config.yaml").write_text(config_yaml)
+        telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
+                              device=engine.device, enabled=engine.is_main, progress=s.progress)
+        telemetry.resumed_from = state.step or None
+        n_params = sum(p.numel() for p in job.model.parameters())
+        log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
+                 "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
+                 s.max_steps, s.batch_size, s.accum_steps,
+                 getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
+        try:
+            fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
+                precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
+                max_steps=s.max_steps, max_grad_norm=s.max_grad_norm, telemetry=telemetry,
+                eval_data=eval_batches, eval_every=s.eval_every, checkpoints=checkpoints, state=state)
+            if state.preempted:
+                log.warning("preempted (signal %s) at step %d: checkpoint saved; exit %d. Continue with: "
+                            "python -m looplib.train ... resume=auto hydra.run.dir=%s",
+                            preemption.signum, state.step, EXIT_PREEMPTED, run_dir)
+                return state
+            if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
+                telemetry.eval(state.step, evaluate(job.model, eval_batches, job.objective, job.precision,
+                                                    engine))
+            checkpoints.save(state)
+        finally:
+            telemetry.close()
     if engine.is_main:
         save_weights(job.model, run_dir / "model.safetensors")
         if s.sample_tokens and hasattr(job.model, "generate"):
             print_sample(job, s.sample_tokens)
     log.info("done: %s", run_dir)
     return state
+
+
+def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path) -> None:
+    """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
+    ``resume=PATH``: a checkpoint, or a run directory holding some."""
+    path = find_checkpoint(run_dir if where == "auto" else Path(where))
+    if path is None:
+        if where != "auto":
+            raise ConfigError("resume", f"no valid checkpoint at {where}",
+                              "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
+        log.warning("resume=auto: no checkpoint in %s yet, starting at step 0 (to continue an earlier "
+                    "run, pass its directory: hydra.run.dir=...)", run_dir)
+        return
+    accepted = checkpoints.load(path, state)
+    log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
+             state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():  # rows past the checkpoint were computed by the run that died: drop them
+        import json
+        rows = [line for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= state.step]
+        tmp = metrics.with_name(metrics.name + ".tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        os.replace(tmp, metrics)
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
@@ -134,7 +178,16 @@ def main(cfg: DictConfig) -> None:
         forget_run_dir(run_dir)
         print(f"looplib: error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
-    run(job, run_dir)
+    try:
+        state = run(job, run_dir)
+    except ConfigError as err:  # found after the run directory was in use: leave it as it is
+        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except NumericError as err:
+        print(f"looplib: stopped: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NUMERIC)
+    if state.preempted:
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
