@@ -64,6 +64,8 @@ class Epochs:
         while True:
             if isinstance(sampler, EpochSampler):
                 sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
+                if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
+                    self.loader.generator.manual_seed(sampler.seed * 100_003 + self.epoch)
             yield self._count(self.loader)
             self.epoch, self.batches_seen = self.epoch + 1, 0
 
@@ -85,8 +87,11 @@ def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool 
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
+    # The loader's own generator: creating an iterator draws a worker base seed from it, and
+    # drawing it from the global RNG would shift every later random number after a resume.
+    generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=bool(pin_memory), drop_last=drop_last, **extra)
+                      pin_memory=bool(pin_memory), drop_last=drop_last, generator=generator, **extra)
 
 
 class TokenChunks(Dataset):

@@ -1,0 +1,99 @@
+"""Kill a training run with SIGKILL at random moments, resume it, and check the final weights.
+
+    python scripts/kill_anywhere.py --trials 100 --parallel 2
+
+Each trial starts `python -m looplib.train` with a checkpoint after every optimizer step (so
+many kills land inside a checkpoint write), kills it at a random moment, then resumes it
+with `resume=auto` until it finishes; the final weights must equal those of a run that was
+never interrupted. tests/test_kill_anywhere.py runs 20 trials in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ARGS = ["data=random", "data.n_train=128", "model.seq_len=32", "model.n_layer=4", "model.d_model=128",
+        "batch_size=4", "accum_steps=2", "max_steps=16", "checkpoint.every_steps=1", "checkpoint.keep=2",
+        "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0", "progress=lines"]
+
+
+def train(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "looplib.train", *ARGS, *extra, f"hydra.run.dir={run_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def reference(root: Path) -> dict:
+    run_dir = root / "reference"
+    proc = train(run_dir)
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the reference run failed: {err}")
+    return final_weights(run_dir)
+
+
+def trial(root: Path, seed: int, expected: dict) -> tuple[bool, str]:
+    """One kill at a random moment of the training phase, then resume until done."""
+    import torch
+
+    rng = random.Random(seed)
+    run_dir = root / f"trial-{seed}"
+    proc = train(run_dir, "resume=auto")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not metrics.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)  # wait for training to start: killing during imports proves nothing
+    time.sleep(rng.uniform(0.0, 1.2))
+    killed_at = "after it finished" if proc.poll() is not None else "while running"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    for _ in range(3):  # resume (a resumed run is not killed again)
+        proc = train(run_dir, "resume=auto")
+        _, err = proc.communicate()
+        if proc.returncode == 0:
+            break
+    else:
+        return False, f"trial {seed}: resume failed: {err.strip().splitlines()[-1:]}"
+    got = final_weights(run_dir)
+    same = got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    return same, f"trial {seed}: killed {killed_at} after ~{steps_done} logged steps: " + (
+        "same final weights" if same else "DIFFERENT final weights")
+
+
+def run_trials(n: int, parallel: int = 2, root: Path | None = None, seed: int = 0) -> list[tuple[bool, str]]:
+    root = Path(root or tempfile.mkdtemp(prefix="kill-anywhere-"))
+    expected = reference(root)
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(lambda i: trial(root, seed + i, expected), range(n)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=50)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    results = run_trials(args.trials, args.parallel, seed=args.seed)
+    for _, line in results:
+        print(line)
+    passed = sum(ok for ok, _ in results)
+    print(f"{passed} passed, {len(results) - passed} failed")
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

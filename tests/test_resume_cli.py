@@ -1,0 +1,93 @@
+"""Resume, preemption and kill-anywhere through the command line."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from looplib.state import EXIT_PREEMPTED, is_valid
+
+from conftest import REPO, run_cli
+
+spec = importlib.util.spec_from_file_location("kill_anywhere", REPO / "scripts" / "kill_anywhere.py")
+kill_anywhere = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kill_anywhere)
+ARGS = kill_anywhere.ARGS
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return kill_anywhere.reference(root), losses(root / "reference")
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path, reference):
+    weights, ref_losses = reference
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "looplib.train", *ARGS, "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "preempted" in out and "resume=auto" in out
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    assert len(ckpts) == 1 and is_valid(ckpts[0]) is None
+    stopped_at = int(ckpts[0].name.split("-")[1])
+    assert 3 <= stopped_at < 16
+    assert not (run_dir / "model.safetensors").exists()  # not finished: no final weights yet
+
+    r = run_cli(*ARGS, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ckpts[0]} at step {stopped_at}" in r.stdout
+    got = load_file(str(run_dir / "model.safetensors"))
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    assert losses(run_dir) == ref_losses  # rows before the stop kept, rows after recomputed identically
+
+
+def test_kill_anywhere_20_trials(tmp_path, reference):
+    results = kill_anywhere.run_trials(20, parallel=2, root=tmp_path)
+    failed = [line for ok, line in results if not ok]
+    assert not failed, failed
+    killed_running = sum("while running" in line for _, line in results)
+    assert killed_running >= 15, [line for _, line in results]
+
+
+def test_resume_refuses_a_breaking_change_and_accepts_a_safe_one(tmp_path):
+    run_dir = tmp_path / "run"
+    quick = [a for a in ARGS if not a.startswith("max_steps")] + ["max_steps=3"]
+    assert run_cli(*quick, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    r = run_cli(*quick, "model.n_layer=2", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
+    assert lines == [lines[0]] and "changed model.n_layer from 4 to 2" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    r = run_cli(*quick, "+optim=sgd", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2 and "changed optim._target_" in r.stderr
+    r = run_cli(*[a for a in quick if a != "max_steps=3"], "max_steps=5", "resume=auto",
+                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "changed: max_steps: 3 -> 5" in r.stdout
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
+
+
+def test_resume_path_without_checkpoint_is_an_error(tmp_path):
+    r = run_cli(*ARGS, f"resume={tmp_path / 'nothing'}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 2 and "resume: no valid checkpoint at" in r.stderr
