@@ -55,7 +55,8 @@ def build_job(cfg: DictConfig) -> Job:
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     torch.manual_seed(settings.seed)
     job.corpus = instantiate(cfg, "data")
-    job.model = engine.setup(instantiate(cfg, "model"))
+    checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
+    job.model = engine.setup(checkpointing.apply(instantiate(cfg, "model")))
     return job
 
 
