@@ -19,12 +19,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from . import autobatch
 from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import TrainState, evaluate, fit
+from .plan import optimizer_state_bytes
 from .telemetry import Telemetry
 
 log = logging.getLogger("looplib")
@@ -57,6 +59,8 @@ def build_job(cfg: DictConfig) -> Job:
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     job.model = engine.setup(checkpointing.apply(instantiate(cfg, "model")))
+    if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
+        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job))
     return job
 
 
