@@ -36,7 +36,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
     epochs = data if isinstance(data, Epochs) else Epochs(data)
-    telemetry.watch(optimizer)
+    telemetry.watch(optimizer, epochs)
     model.train()
     if state.step >= max_steps:
         return state

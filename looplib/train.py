@@ -27,7 +27,7 @@ from .engines import Engine
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import TrainState, evaluate, fit
 from .plan import optimizer_state_bytes
-from .telemetry import Telemetry
+from .telemetry import Telemetry, peak_flops
 
 log = logging.getLogger("looplib")
 
@@ -79,7 +79,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     scheduler = job.schedule.build(optimizer, s.max_steps)
     telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                           device=engine.device, enabled=engine.is_main,
-                          progress=s.progress)
+                          progress=s.progress, **mfu_settings(job))
     n_params = sum(p.numel() for p in job.model.parameters())
     log.info("training %s (%.2fM parameters) on %s: %d steps of %d x %d sequences, precision %s, optimizer %s",
              type(job.model).__name__, n_params / 1e6, engine.device, s.max_steps, s.batch_size,
@@ -99,6 +99,14 @@ def run(job: Job, run_dir: Path) -> TrainState:
             print_sample(job, s.sample_tokens)
     log.info("done: %s", run_dir)
     return state
+
+
+def mfu_settings(job: Job) -> dict:
+    """FLOPs of one training sample (bundled models know theirs) and the device's peak."""
+    flops = getattr(job.model, "flops_per_sequence", None)
+    precision = getattr(job.precision, "name", "fp32")
+    return {"flops_per_sample": flops() if flops else None,
+            "peak_flops": peak_flops(job.engine.device, precision, job.settings.peak_tflops)}
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
