@@ -18,7 +18,7 @@ from .errors import ConfigError
 
 # Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
 # absent group means this option, read from the same YAML file `+group=option` would use.
-STRATEGY_DEFAULTS = {"precision": "fp32", "optim": "adamw", "schedule": "constant"}
+STRATEGY_DEFAULTS = {"precision": "fp32", "optim": "adamw", "schedule": "constant", "checkpointing": "none"}
 
 
 def positive(key, v):
@@ -36,8 +36,9 @@ class Settings:
     seed: int = field(default=1337, metadata={"fix": "use a whole number, e.g. seed=0"})
     max_steps: int = field(default=300, metadata={"fix": "use a whole number of optimizer steps, e.g. max_steps=300",
                                                    "rule": positive})
-    batch_size: int = field(default=32, metadata={"fix": "use the micro-batch size per device, e.g. batch_size=16",
-                                                   "rule": positive})
+    batch_size: Any = field(default=32, metadata={"fix": "use the micro-batch size per device, e.g. batch_size=16, "
+                                                          "or batch_size=auto with global_batch_size=N",
+                                                   "rule": lambda k, v: v == "auto" or positive_int(k, v)})
     accum_steps: int = field(default=1, metadata={"fix": "use 1 for no accumulation, or k micro-batches per step",
                                                   "rule": positive})
     lr: float = field(default=2e-3, metadata={"fix": "use a positive learning rate, e.g. lr=3e-4",
@@ -55,13 +56,26 @@ class Settings:
     max_bad_steps: int = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)",
                                                       "rule": non_negative})
     resume: Optional[str] = field(default=None, metadata={"fix": "use resume=auto, resume=PATH or resume=null"})
+    global_batch_size: Optional[int] = field(default=None, metadata={
+        "fix": "use the sequences per optimizer step over all devices, e.g. global_batch_size=64 (null: off)",
+        "rule": lambda k, v: v is None or v > 0 or f"{k} must be at least 1"})
+    peak_tflops: Optional[float] = field(default=None, metadata={
+        "fix": "use the device's peak for the training precision in TFLOP/s, e.g. peak_tflops=989 (null: auto)",
+        "rule": lambda k, v: v is None or v > 0 or f"{k} must be positive"})
     progress: str = field(default="auto", metadata={
         "fix": "use progress=auto, bar or lines",
         "rule": lambda k, v: v in ("auto", "bar", "lines") or f"progress={v!r} is not a choice"})
 
 
+def positive_int(key, v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        return f"{key}={v!r} is neither a whole number nor auto"
+    return positive(key, v)
+
+
 TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string",
-              "Optional[float]": "a number (or null)", "Optional[str]": "a string (or null)"}
+              "Optional[float]": "a number (or null)", "Optional[int]": "a whole number (or null)",
+              "Optional[str]": "a string (or null)"}
 
 
 def check_settings(cfg: DictConfig) -> Settings:
@@ -81,6 +95,7 @@ def check_settings(cfg: DictConfig) -> Settings:
         if verdict is not True:
             raise ConfigError(f.name, f"{verdict} (got {f.name}={getattr(settings, f.name)!r})", f.metadata["fix"])
     check_checkpoint(cfg)
+    check_global_batch(settings)
     return settings
 
 
@@ -90,6 +105,22 @@ def check_checkpoint(cfg: DictConfig) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ConfigError(f"checkpoint.{key}", f"checkpoint.{key}={value!r} must be a whole number >= {least}",
                               "e.g. checkpoint.every_steps=100 checkpoint.keep=2")
+
+
+def check_global_batch(s: Settings) -> None:
+    """``batch_size=auto`` needs ``global_batch_size`` and chooses ``accum_steps`` itself; a fixed
+    batch with a global batch must agree with it (the per-rank split is checked by autobatch)."""
+    if s.batch_size == "auto":
+        if s.global_batch_size is None:
+            raise ConfigError("global_batch_size", "batch_size=auto needs a target global batch",
+                              "add global_batch_size=N (sequences per optimizer step), or set batch_size=N")
+        if s.accum_steps != 1:
+            raise ConfigError("accum_steps", f"batch_size=auto chooses accum_steps itself (got accum_steps={s.accum_steps})",
+                              "leave accum_steps out, or set batch_size to a number")
+    elif s.global_batch_size is not None and s.batch_size * s.accum_steps != s.global_batch_size:
+        raise ConfigError("global_batch_size", f"global_batch_size={s.global_batch_size} but batch_size x accum_steps = "
+                          f"{s.batch_size} x {s.accum_steps} = {s.batch_size * s.accum_steps}",
+                          "use batch_size=auto to choose the micro-batch, or make them agree")
 
 
 def fill_strategy_defaults(cfg: DictConfig) -> None:

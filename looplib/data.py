@@ -11,6 +11,7 @@ import logging
 import os
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -58,6 +59,7 @@ class Epochs:
 
     def __init__(self, loader: DataLoader, epoch: int = 0, batches_seen: int = 0):
         self.loader, self.epoch, self.batches_seen = loader, epoch, batches_seen
+        self.wait_s = 0.0  # host time spent waiting for the loader (telemetry's data_wait_share)
 
     def __iter__(self):
         sampler = getattr(self.loader, "sampler", None)
@@ -70,9 +72,18 @@ class Epochs:
             self.epoch, self.batches_seen = self.epoch + 1, 0
 
     def _count(self, loader):
-        for batch in loader:
+        t0 = time.perf_counter()
+        batches = iter(loader)  # starting workers is waiting too
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                self.wait_s += time.perf_counter() - t0
             self.batches_seen += 1
             yield batch
+            t0 = time.perf_counter()
 
 
 def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,

@@ -32,7 +32,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
     checkpoints = checkpoints or Checkpoints(None)
     epochs = data if isinstance(data, Epochs) else Epochs(data)
-    telemetry.watch(optimizer)
+    telemetry.watch(optimizer, epochs)
     model.train()
     if state.step >= max_steps:
         return state

@@ -5,6 +5,7 @@ as a device tensor and read (``.item()``, a host-device sync) once per ``log_eve
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -25,9 +26,73 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def host_peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """The NVML name of a CUDA device. torch numbers devices after CUDA_VISIBLE_DEVICES and NVML
+    does not, so the device is found by its UUID, never by its index."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except (AssertionError, RuntimeError, AttributeError):
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+@functools.lru_cache(maxsize=None)
+def nvml_handle(uuid: str | None):
+    """(pynvml, handle) for the device with this UUID, or None (no GPU, driver or library)."""
+    try:
+        import pynvml  # nvidia-ml-py
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:  # noqa: BLE001 - degrade silently: the row just lacks the key
+        return None
+
+
+def nvml_used_mb(device: torch.device) -> float | None:
+    """Device memory in use according to the driver (all processes, the CUDA context included:
+    what nvidia-smi and the guides' print_gpu_utilization() show). None without a GPU or NVML."""
+    if device.type != "cuda":
+        return None
+    found = nvml_handle(device_uuid(device))
+    if found is None:
+        return None
+    pynvml, handle = found
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# Dense peak TFLOP/s by device name and precision, for MFU when peak_tflops is not given.
+PEAK_TFLOPS = {  # name fragment: (16-bit tensor cores, tf32, fp32)
+    "H200": (989.0, 494.0, 67.0), "H100 PCIe": (756.0, 378.0, 51.0), "H100": (989.0, 494.0, 67.0),
+    "A100": (312.0, 156.0, 19.5), "V100": (125.0, 15.7, 15.7),
+}
+
+
+def peak_flops(device: torch.device, precision: str, given_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s for MFU: ``peak_tflops`` when given, else known GPUs by name, else None."""
+    if given_tflops:
+        return given_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    column = {"bf16": 0, "fp16": 0, "tf32": 1}.get(precision, 2)
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks[column] * 1e12
+    return None
+
+
 class Telemetry:
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
-                 device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto"):
+                 device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
+                 flops_per_sample: float | None = None, peak_flops: float | None = None):
+        self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
+        self._data, self._wait0 = None, 0.0
         self.path, self.log_every, self.total = path, max(1, log_every), total_steps
         self.device, self.enabled = torch.device(device), enabled
         self.file = open(path, "a", buffering=1) if (path and enabled) else None
@@ -43,8 +108,11 @@ class Telemetry:
         self.last_row: dict = {}
         self.resumed_from: int | None = None  # marks the first row after a resume
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count real updates with an optimizer hook: no sync needed to know a step was skipped."""
+    def watch(self, optimizer: torch.optim.Optimizer, data=None) -> None:
+        """Count real updates with an optimizer hook: no sync needed to know a step was skipped.
+        ``data`` (an ``Epochs``) reports the time spent waiting for batches."""
+        if data is not None and data is not self._data:
+            self._data, self._wait0 = data, getattr(data, "wait_s", 0.0)
         if self._watched is not optimizer:  # fit() may be called again to continue a run
             self._watched = optimizer
             optimizer.register_step_post_hook(self._stepped)
@@ -86,6 +154,7 @@ class Telemetry:
             row["grad_norm"] = float(grad_norm)
         if self.resumed_from is not None:
             row["resumed_from"], self.resumed_from = self.resumed_from, None
+        row.update(self._extra(dt))
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}
@@ -94,6 +163,23 @@ class Telemetry:
             self.bar.set_postfix_str(text)
         elif self.enabled:
             log.info("step %d/%d  %s  lr %.3g", step, self.total, text, lr)
+
+    def _extra(self, dt: float) -> dict:
+        """Data waiting, FLOPs utilisation and memory: host-side reads only (no device sync)."""
+        row = {"host_peak_rss_mb": round(host_peak_rss_mb(), 1)}
+        wait = getattr(self._data, "wait_s", None)
+        if wait is not None:
+            row["data_wait_share"] = min(1.0, (wait - self._wait0) / dt)
+            self._wait0 = wait
+        if self.flops_per_sample:
+            achieved = self._interval["samples"] * self.flops_per_sample / dt
+            row["tflops"] = achieved / 1e12
+            if self.peak_flops:
+                row["mfu"] = achieved / self.peak_flops
+        used = nvml_used_mb(self.device)
+        if used is not None:
+            row["device_mem_used_mb"] = round(used, 1)
+        return row
 
     def eval(self, step: int, loss: float) -> None:
         ppl = math.exp(loss) if loss < 50 else float("inf")

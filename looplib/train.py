@@ -19,6 +19,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from . import autobatch
 from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
@@ -27,7 +28,8 @@ from .errors import EXIT_CONFIG, ConfigError
 from .loop import evaluate, fit
 from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
                     find_checkpoint)
-from .telemetry import Telemetry
+from .plan import optimizer_state_bytes
+from .telemetry import Telemetry, peak_flops
 
 log = logging.getLogger("looplib")
 
@@ -57,7 +59,10 @@ def build_job(cfg: DictConfig) -> Job:
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     torch.manual_seed(settings.seed)
     job.corpus = instantiate(cfg, "data")
-    job.model = engine.setup(instantiate(cfg, "model"))
+    checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
+    job.model = engine.setup(checkpointing.apply(instantiate(cfg, "model")))
+    if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
+        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job))
     return job
 
 
@@ -85,7 +90,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
         if engine.is_main:
             (run_dir / "config.yaml").write_text(config_yaml)
         telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
-                              device=engine.device, enabled=engine.is_main, progress=s.progress)
+                              device=engine.device, enabled=engine.is_main, progress=s.progress,
+                              **mfu_settings(job))
         telemetry.resumed_from = state.step or None
         n_params = sum(p.numel() for p in job.model.parameters())
         log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
@@ -138,6 +144,14 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
         tmp = metrics.with_name(metrics.name + ".tmp")
         tmp.write_text("".join(row + "\n" for row in rows))
         os.replace(tmp, metrics)
+
+
+def mfu_settings(job: Job) -> dict:
+    """FLOPs of one training sample (bundled models know theirs) and the device's peak."""
+    flops = getattr(job.model, "flops_per_sequence", None)
+    precision = getattr(job.precision, "name", "fp32")
+    return {"flops_per_sample": flops() if flops else None,
+            "peak_flops": peak_flops(job.engine.device, precision, job.settings.peak_tflops)}
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:

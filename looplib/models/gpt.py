@@ -66,6 +66,16 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def flops_per_sequence(self, seq_len: int | None = None) -> int:
+        """Matmul FLOPs of one forward + backward of one sequence: 6 x (weights in matmuls,
+        the tied head counted once) per token, plus attention's 12 x layers x width x seq_len
+        per token (QK^T and AV, forward and backward; the causal mask's savings are not
+        counted, as in the PaLM paper's MFU)."""
+        t = seq_len or self.seq_len
+        body = sum(m.weight.numel() for b in self.blocks for m in b.modules() if isinstance(m, nn.Linear))
+        c = self.config
+        return 6 * (body + self.head.weight.numel()) * t + 12 * c["n_layer"] * c["d_model"] * t * t
+
     @torch.inference_mode()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int = 40, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,0 +1,220 @@
+"""The memory planner: static bytes equal the real tensors' bytes, ZeRO follows the paper,
+activations match what autograd really saves on the CPU, recommendations follow the guides."""
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from looplib import optim as lo
+from looplib.models import GPT, BertClassifier
+from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
+from looplib.plan import (Checkpointing, activation_estimates, autocast_copy_bytes, build_plan, default_checkpointing,
+                          gradient_bytes, optimizer_state_bytes_of, recommendations, weight_bytes, zero_per_rank)
+from looplib.precision import BF16, FP16, Precision
+
+from conftest import has_bitsandbytes, run_cli
+
+
+def make_gpt():
+    # vocab x width = 8192 elements: the embedding is big enough for 8-bit state (and kept
+    # 32-bit by the embedding rule); attention projections (3072) are under 4096, MLP (4096) not
+    return GPT(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=32)
+
+
+def make_bert():
+    return BertClassifier(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+
+
+OPTIMIZERS = {"adamw": lambda: lo.AdamW(lr=1e-3, weight_decay=0.1), "sgd": lambda: lo.SGD(lr=0.1),
+              "adafactor": lambda: lo.Adafactor(lr=1e-3), "adam8bit": lambda: lo.Adam8bit(lr=1e-3)}
+PRECISIONS = {"fp32": Precision, "bf16": BF16, "fp16": lambda: FP16(init_scale=16.0)}  # no skipped first step
+
+
+class ParameterCasts(TorchDispatchMode):
+    """Records the copies autocast makes of parameters (aten._to_copy of a parameter)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params, self.copies = {p.data_ptr() for p in params}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.params:
+            self.copies[args[0].data_ptr()] = out.untyped_storage().nbytes()
+        return out
+
+
+def real_state_bytes(opt):
+    seen, total = set(), 0
+    for state in opt.state.values():
+        for t in state.values():
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_static_bytes_equal_real_tensor_bytes(precision, optim):
+    if optim == "adam8bit" and not has_bitsandbytes():
+        pytest.skip("bitsandbytes is not installed")
+    factory = OPTIMIZERS[optim]()
+    prec = PRECISIONS[precision]()
+    prec.setup(torch.device("cpu"))
+    with torch.device("meta"):
+        planned_model = make_gpt()
+    planned = {"weights": weight_bytes(planned_model), "grads": gradient_bytes(planned_model),
+               "copies": autocast_copy_bytes(planned_model, getattr(prec, "dtype", None)),
+               "state": optimizer_state_bytes_of(factory, planned_model)}
+
+    torch.manual_seed(0)
+    model = make_gpt()
+    opt = factory.build(model)
+    casts = ParameterCasts(model.parameters())
+    batch = {"input_ids": torch.randint(0, 256, (2, 32)), "labels": torch.randint(0, 256, (2, 32))}
+    with prec.autocast(), casts:
+        loss = TokenCrossEntropy()(model, batch)
+    prec.backward(loss)
+    prec.step(opt)
+    real = {"weights": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+            "grads": sum(p.grad.untyped_storage().nbytes() for p in model.parameters()),
+            "copies": sum(casts.copies.values()), "state": real_state_bytes(opt)}
+    assert planned == real
+    assert real["state"] > 0 and (real["copies"] > 0) == (precision != "fp32")
+
+
+def test_per_param_figures_of_the_guides():
+    """4 bytes/param fp32 weights, about 6 mixed; AdamW 8, SGD momentum 4, 8-bit Adam about 2."""
+    with torch.device("meta"):
+        model = BertClassifier(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=256)
+    n = sum(p.numel() for p in model.parameters())
+    assert weight_bytes(model) == 4 * n
+    assert 1.8 < autocast_copy_bytes(model, torch.bfloat16) / n <= 2  # embeddings are not cast
+    assert optimizer_state_bytes_of(lo.AdamW(lr=1), model) == 8 * n + 4 * len(list(model.parameters()))
+    assert optimizer_state_bytes_of(lo.SGD(lr=1), model) == 4 * n
+    assert 4 * len(list(model.parameters())) < optimizer_state_bytes_of(lo.Adafactor(lr=1), model) < 0.1 * n
+
+
+def test_zero_arithmetic_follows_the_paper():
+    """ZeRO paper (Rajbhandari et al. 2020), mixed-precision Adam: 2 bytes of fp16 parameters,
+    2 of fp16 gradients, K = 12 of fp32 master weights, momentum and variance per parameter.
+    Per rank over N ranks: baseline (2 + 2 + K) psi; P_os 2 psi + 2 psi + K psi / N;
+    P_os+g 2 psi + (2 + K) psi / N; P_os+g+p (2 + 2 + K) psi / N."""
+    psi, n, k = 7_500_000_000, 64, 12
+    p, g, o = 2 * psi, 2 * psi, k * psi
+    assert zero_per_rank(p, g, o, n, 0) == (2 + 2 + k) * psi
+    assert zero_per_rank(p, g, o, n, 1) == 2 * psi + 2 * psi + k * psi // n
+    assert zero_per_rank(p, g, o, n, 2) == 2 * psi + (2 + k) * psi // n
+    assert zero_per_rank(p, g, o, n, 3) == (2 + 2 + k) * psi // n
+    # the paper's Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB for a 7.5B model on 64 GPUs
+    assert [round(zero_per_rank(p, g, o, n, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    # offload: the optimizer state (ZeRO-Offload) and with stage 3 the parameters leave the device
+    assert zero_per_rank(p, g, o, n, 2, offload_optimizer=True) == 2 * psi + 2 * psi // n
+    assert zero_per_rank(p, g, o, n, 3, offload_optimizer=True, offload_params=True) == 2 * psi // n
+    assert zero_per_rank(7, 7, 7, 2, 3) == 12  # a rank holds the ceiling of its share
+
+
+def saved_bytes(model, objective, batch):
+    """Bytes autograd really saves for backward (each storage once, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and key not in params:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        objective(model, batch)
+    return total[0]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_activation_estimate_matches_what_autograd_saves_in_fp32(kind):
+    make, objective = (make_gpt, TokenCrossEntropy()) if kind == "gpt" else (make_bert, SequenceCrossEntropy())
+    with torch.device("meta"):
+        meta = make()
+    plain, ckpt, chosen = activation_estimates(meta, objective, 32, None, Checkpointing())
+    assert chosen == ["blocks.0", "blocks.1"]
+    model = make()
+    for b in (1, 3):
+        labels = torch.randint(0, 256, (b, 32)) if kind == "gpt" else torch.randint(0, 2, (b,))
+        assert plain.at(b) == saved_bytes(model, objective, {"input_ids": torch.randint(0, 256, (b, 32)),
+                                                             "labels": labels})
+    assert ckpt.per_sample < plain.per_sample
+
+
+def test_activation_estimate_under_bf16_is_close_to_cpu_autocast():
+    with torch.device("meta"):
+        meta = make_gpt()
+    plain = activation_estimates(meta, TokenCrossEntropy(), 32, torch.bfloat16, Checkpointing())[0]
+    model = make_gpt()
+    batch = {"input_ids": torch.randint(0, 256, (4, 32)), "labels": torch.randint(0, 256, (4, 32))}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = saved_bytes(model, TokenCrossEntropy(), batch)
+    weight_copies = autocast_copy_bytes(model, torch.bfloat16)  # saved too, but counted as static
+    assert plain.at(4) == pytest.approx(real - weight_copies, rel=0.1)
+
+
+def compose_with(*overrides):
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_recommendations_follow_the_guides_order():
+    cfg = compose_with("model=bert_tiny", "data=classification", "loss=classification", "batch_size=4")
+    roomy = build_plan(cfg.copy(), memory=2**30)
+    recs = recommendations(roomy)
+    assert recs[0].startswith("largest micro-batch that fits: ") and "batch_size=4 accum_steps=1" in recs[0]
+    assert not any("ZeRO" in r or "checkpointing" in r for r in recs)
+    fits = int(recs[0].split(": ")[1].split()[0].rstrip(";"))
+    assert fits % 8 == 0 and fits >= 8
+    static = roomy.static
+    tight = build_plan(cfg.copy(), memory=int((static + roomy.act_plain.at(1) // 2) / 0.9))
+    recs = recommendations(tight)
+    assert recs[0].startswith("not even a micro-batch of 1 fits")
+    order = [next(i for i, r in enumerate(recs) if r.startswith(s)) for s in
+             ("+checkpointing=blocks", "+optim=adam8bit", "+precision=bf16")]
+    assert order == sorted(order) and not any("ZeRO" in r for r in recs)
+    tiny = build_plan(cfg.copy(), memory=static // 2, world=8)
+    assert "ZeRO" in recommendations(tiny)[-1] and "8 rank(s)" in recommendations(tiny)[-1]
+
+
+def test_checkpointed_estimate_uses_the_configured_strategy():
+    cfg = compose_with("model=bert_tiny", "data=classification", "loss=classification",
+                       "+checkpointing=blocks", "checkpointing.every=2")
+    plan = build_plan(cfg, memory=2**30)
+    assert plan.checkpointing_on and plan.chosen == ["blocks.0"]
+    every_block = build_plan(compose_with("model=bert_tiny", "data=classification", "loss=classification"),
+                             memory=2**30)
+    assert not every_block.checkpointing_on and every_block.chosen == ["blocks.0", "blocks.1"]
+    assert every_block.act_ckpt.per_sample < plan.act_ckpt.per_sample  # fewer modules, less saved
+    assert plan.act_plain == every_block.act_plain and default_checkpointing().every == 1
+
+
+def test_cli_prints_the_anatomy(tmp_path):
+    out = run_cli("data=random", "+optim=sgd", "--world-size", "4", "--memory-gib", "16", cwd=tmp_path,
+                  module="looplib.plan")
+    assert out.returncode == 0, out.stderr
+    with torch.device("meta"):
+        model = GPT(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128)
+    n = sum(p.numel() for p in model.parameters())
+    for line in (f"weights (4 bytes/param)", f"gradients", "optimizer state (SGD)"):
+        assert any(row.strip().startswith(line) and f"{4 * n:,} B" in row for row in out.stdout.splitlines()), line
+    assert "4 rank(s)" in out.stdout and "device memory (given)" in out.stdout and "recommendations:" in out.stdout
+    assert not list(tmp_path.iterdir())  # no run directory
+
+
+@pytest.mark.parametrize("args,message", [
+    (["batch_size=-1"], "looplib: error: batch_size: batch_size must be at least 1"),
+    (["--world-size", "0"], "looplib: error: --world-size: must be at least 1"),
+    (["+precision=fp64"], "looplib: error: In 'config': Could not find 'precision/fp64'"),
+])
+def test_cli_errors(args, message, tmp_path):
+    out = run_cli(*args, cwd=tmp_path, module="looplib.plan")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
