@@ -23,11 +23,13 @@ from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
+from .engines.launch import launched_rank, register_resolvers
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import TrainState, evaluate, fit
 from .telemetry import Telemetry
 
 log = logging.getLogger("looplib")
+register_resolvers()  # ${looplib.rank0_dir:...}: one run directory per run under torchrun
 
 
 @dataclass
@@ -48,11 +50,12 @@ def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
-    engine = Engine(settings.device)
+    engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
+    engine.check(settings, precision, job.optim)
     torch.manual_seed(settings.seed)
     job.corpus = instantiate(cfg, "data")
     job.model = engine.setup(instantiate(cfg, "model"))
@@ -75,23 +78,24 @@ def run(job: Job, run_dir: Path) -> TrainState:
     telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                           device=engine.device, enabled=engine.is_main,
                           progress=s.progress)
+    telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     n_params = sum(p.numel() for p in job.model.parameters())
     log.info("training %s (%.2fM parameters) on %s: %d steps of %d x %d sequences, precision %s, optimizer %s",
              type(job.model).__name__, n_params / 1e6, engine.device, s.max_steps, s.batch_size,
              s.accum_steps, getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
+    job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     try:
         state = fit(job.model, Epochs(train), objective=job.objective, optimizer=optimizer,
                     scheduler=scheduler, precision=job.precision, accumulation=Accumulation(s.accum_steps),
-                    engine=engine, max_steps=s.max_steps, max_grad_norm=s.max_grad_norm,
+                    engine=engine, max_steps=s.max_steps, max_grad_norm=max_grad_norm,
                     telemetry=telemetry, eval_data=eval_batches, eval_every=s.eval_every)
         if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
             telemetry.eval(state.step, evaluate(job.model, eval_batches, job.objective, job.precision, engine))
     finally:
         telemetry.close()
-    if engine.is_main:
-        save_weights(job.model, run_dir / "model.safetensors")
-        if s.sample_tokens and hasattr(job.model, "generate"):
-            print_sample(job, s.sample_tokens)
+    engine.export_weights(job.model, run_dir / "model.safetensors")  # every rank: ZeRO-3 gathers
+    if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
+        print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
     return state
 
@@ -109,9 +113,10 @@ def print_sample(job: Job, n_tokens: int) -> None:
     ids = torch.tensor([job.corpus.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
     with job.precision.autocast():
-        out = job.model.generate(ids, n_tokens, generator=gen)
+        out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen)
     text = job.corpus.decode(out[0].tolist())
-    print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
+    if job.engine.is_main:
+        print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
 
 
 def forget_run_dir(run_dir: Path) -> None:
@@ -132,9 +137,16 @@ def main(cfg: DictConfig) -> None:
         job = build_job(cfg)
     except ConfigError as err:
         forget_run_dir(run_dir)
-        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+        if launched_rank() == 0:  # every rank finds the same error: one says it
+            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
-    run(job, run_dir)
+    shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+    if shared != run_dir:
+        forget_run_dir(run_dir)
+    try:
+        run(job, shared)
+    finally:
+        job.engine.close()
 
 
 if __name__ == "__main__":
