@@ -270,9 +270,10 @@ class DeepSpeed(Engine):
         whole = {}
         for p in module.parameters():  # same order on every rank
             full = safe_get_full_fp32_param(p)
-            whole[id(p)] = (p.detach() if full is None else full).float().cpu()
+            whole[id(p)] = (p.detach() if full is None else full).to("cpu", torch.float32, copy=True)
         # tied names map to the same tensor, so safetensors stores them once, as save_model does
-        return {name: whole.get(id(t), t.detach().cpu()) for name, t in module.state_dict(keep_vars=True).items()}
+        return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
+                for name, t in module.state_dict(keep_vars=True).items()}
 
     def export_weights(self, model: nn.Module, path: Path) -> None:
         weights = self.full_weights(model)
