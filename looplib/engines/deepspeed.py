@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import ConfigError
@@ -69,6 +70,11 @@ def import_deepspeed():
     except ImportError as err:
         raise ConfigError("engine", f"+engine=deepspeed needs deepspeed, which does not import ({err})",
                           "pip install 'looplib[deepspeed]' (DS_BUILD_OPS=0 builds no kernels ahead of time)") from None
+    from packaging.version import Version
+    if Version(deepspeed.__version__).release < (0, 19, 4):
+        raise ConfigError("engine", f"deepspeed {deepspeed.__version__} cannot leave the accumulation boundary "
+                          "to the loop (managed_gradient_accumulation arrived in 0.19.4)",
+                          "pip install 'deepspeed>=0.19.4'")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the loop's
     return deepspeed
 
@@ -107,6 +113,8 @@ class DeepSpeed(Engine):
         self.device = launch.process_device(resolve_device(str(device)))
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s
         self.stage, self.offload_optimizer, self.offload_params = stage, offload_optimizer, offload_params
+        if isinstance(config, DictConfig):  # Hydra passes nested config as DictConfig
+            config = OmegaConf.to_container(config, resolve=True)
         self.nvme_path, self.raw = nvme_path, dict(config or {})
         self._check_own_keys()
         self.ds = None            # the DeepSpeedEngine, once prepared
