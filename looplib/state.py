@@ -264,55 +264,73 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ writing
     def save(self, state: TrainState) -> Path | None:
+        """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here)."""
+        own_format = hasattr(self.engine, "save_checkpoint")  # DeepSpeed: ZeRO partitions per rank
         if self.root is None or state.step == self.last_saved_step:
             return None
-        if not self.is_main:
-            self.last_saved_step = state.step
+        self.last_saved_step = state.step
+        if not (self.is_main or own_format):
             return None
         t0 = time.perf_counter()
         p, epochs = self.parts, self.parts["epochs"]
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{state.step:08d}"
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{final.name}-"))
-        from safetensors.torch import save_model
-        save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
-        with open(tmp / "model.safetensors", "rb+") as f:
-            os.fsync(f.fileno())
         position = {"step": state.step, "epoch": epochs.epoch, "batches_seen": epochs.batches_seen,
                     "bad_streak": state.bad_streak}
-        blob = {"format": FORMAT, "position": position, "optimizer": p["optimizer"].state_dict(),
-                "scheduler": p["scheduler"].state_dict(), "precision": p["precision"].state_dict(),
+        blob = {"format": FORMAT, "position": position, "scheduler": p["scheduler"].state_dict(),
                 "rng": rng_state(), "extra": state.extra}
-        with open(tmp / "state.pt", "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
+        if own_format:
+            # The engine writes model, optimizer and loss scale in its own format, straight into
+            # the final directory; the manifest written last still decides whether it counts.
+            shutil.rmtree(final, ignore_errors=True)
+            self.engine.save_checkpoint(self.root, client_state=blob, tag=final.name)
+            if not self.is_main:
+                return None
+            tmp = final
+        else:
+            tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{final.name}-"))
+            from safetensors.torch import save_model
+            save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
+            with open(tmp / "model.safetensors", "rb+") as f:
+                os.fsync(f.fileno())
+            blob.update(optimizer=p["optimizer"].state_dict(), precision=p["precision"].state_dict())
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(blob, f)
+                f.flush()
+                os.fsync(f.fileno())
         write_file(tmp / "config.yaml", self.config_yaml.encode())
         meta = {**position, "config_hash": config_hash(self.config_yaml), "torch": torch.__version__,
                 "time": time.time()}
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+        files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
+                 for f in sorted(tmp.rglob("*")) if f.is_file()}
         write_file(tmp / "manifest.json", json.dumps({"files": files}, indent=1).encode())  # last
         fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete
-            trash = final.with_name(f".old-{final.name}-{os.getpid()}")
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        if tmp != final:
+            if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete
+                trash = final.with_name(f".old-{final.name}-{os.getpid()}")
+                os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
         fsync_dir(self.root)
-        self.last_saved_step = state.step
         self.rotate()
         self.save_seconds.append(time.perf_counter() - t0)
         log.info("checkpoint %s (%.1f MB, %.2f s)", final,
-                 sum(f.stat().st_size for f in final.iterdir()) / 2**20, self.save_seconds[-1])
+                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
         return final
 
     def rotate(self) -> None:
-        """Keep the newest ``keep`` valid checkpoints; remove older ones and stale temporaries."""
-        valid = [d for d in step_dirs(self.root) if is_valid(d) is None]
-        for old in valid[self.keep:]:
+        """Keep the newest ``keep`` complete checkpoints; remove older ones, partial ones older
+        than the newest complete one, and stale temporaries. (Complete = its manifest, written
+        last, exists: checksums are verified on resume, not re-hashed at every save.)"""
+        dirs = step_dirs(self.root)
+        complete = [d for d in dirs if (d / "manifest.json").is_file()]
+        doomed = complete[self.keep:]
+        if complete:
+            doomed += [d for d in dirs if d not in complete and d.name < complete[0].name]
+        for old in doomed:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -327,12 +345,15 @@ class Checkpoints:
         saved_cfg = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
         now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
         accepted = check_resume_config(saved_cfg, now_cfg)
-        blob = load_state(path / "state.pt")
         p = self.parts
-        load_model(unwrap(p["model"]), str(path / "model.safetensors"))
-        p["optimizer"].load_state_dict(blob["optimizer"])
+        if hasattr(self.engine, "load_checkpoint"):  # the engine's own format (DeepSpeed)
+            blob = self.engine.load_checkpoint(path.parent, tag=path.name)
+        else:
+            blob = load_state(path / "state.pt")
+            load_model(unwrap(p["model"]), str(path / "model.safetensors"))
+            p["optimizer"].load_state_dict(blob["optimizer"])
+            p["precision"].load_state_dict(blob["precision"])
         p["scheduler"].load_state_dict(blob["scheduler"])
-        p["precision"].load_state_dict(blob["precision"])
         set_rng_state(blob["rng"])
         pos = blob["position"]
         state.step, state.epoch, state.bad_streak = pos["step"], pos["epoch"], pos["bad_streak"]

@@ -88,6 +88,10 @@ def peak_flops(device: torch.device, precision: str, given_tflops: float | None 
 
 
 class Telemetry:
+    # Multi-process engines set this to their mean over ranks. A collective: every rank's
+    # Telemetry (writing or not) reaches _log at the same steps.
+    reduce_loss = staticmethod(lambda loss: loss)
+
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
                  flops_per_sample: float | None = None, peak_flops: float | None = None):
@@ -141,7 +145,7 @@ class Telemetry:
             self._log(step, epoch, lr, grad_norm)
 
     def _log(self, step, epoch, lr, grad_norm):
-        loss = self._loss.item() / self._interval["steps"]  # the sync point, once per log
+        loss = self.reduce_loss(self._loss).item() / self._interval["steps"]  # the sync point, once per log
         now = time.perf_counter()
         dt = max(now - self._t0, 1e-9)
         iv = self._interval

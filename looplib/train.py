@@ -24,6 +24,7 @@ from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
+from .engines.launch import launched_rank, register_resolvers
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import evaluate, fit
 from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
@@ -32,6 +33,7 @@ from .plan import optimizer_state_bytes
 from .telemetry import Telemetry, peak_flops
 
 log = logging.getLogger("looplib")
+register_resolvers()  # ${looplib.rank0_dir:...}: one run directory per run under torchrun
 
 
 @dataclass
@@ -52,11 +54,12 @@ def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
-    engine = Engine(settings.device)
+    engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
+    engine.check(settings, precision, job.optim)
     torch.manual_seed(settings.seed)
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
@@ -78,6 +81,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
     optimizer = job.optim.build(job.model)
     scheduler = job.schedule.build(optimizer, s.max_steps)
+    job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
     checkpoints = Checkpoints(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, s.max_bad_steps,
@@ -93,6 +97,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
                               device=engine.device, enabled=engine.is_main, progress=s.progress,
                               **mfu_settings(job))
         telemetry.resumed_from = state.step or None
+        telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
         n_params = sum(p.numel() for p in job.model.parameters())
         log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
                  "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
@@ -101,7 +106,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
         try:
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
                 precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
-                max_steps=s.max_steps, max_grad_norm=s.max_grad_norm, telemetry=telemetry,
+                max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
                 eval_data=eval_batches, eval_every=s.eval_every, checkpoints=checkpoints, state=state)
             if state.preempted:
                 log.warning("preempted (signal %s) at step %d: checkpoint saved; exit %d. Continue with: "
@@ -114,10 +119,9 @@ def run(job: Job, run_dir: Path) -> TrainState:
             checkpoints.save(state)
         finally:
             telemetry.close()
-    if engine.is_main:
-        save_weights(job.model, run_dir / "model.safetensors")
-        if s.sample_tokens and hasattr(job.model, "generate"):
-            print_sample(job, s.sample_tokens)
+    engine.export_weights(job.model, run_dir / "model.safetensors")  # every rank: ZeRO-3 gathers
+    if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
+        print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
     return state
 
@@ -154,22 +158,15 @@ def mfu_settings(job: Job) -> dict:
             "peak_flops": peak_flops(job.engine.device, precision, job.settings.peak_tflops)}
 
 
-def save_weights(model: torch.nn.Module, path: Path) -> None:
-    """safetensors, written beside the target and renamed: never a half-written file."""
-    from safetensors.torch import save_model
-    tmp = path.with_name(path.name + ".tmp")
-    save_model(model, str(tmp))
-    os.replace(tmp, path)
-
-
 def print_sample(job: Job, n_tokens: int) -> None:
     prompt = "def "
     ids = torch.tensor([job.corpus.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
     with job.precision.autocast():
-        out = job.model.generate(ids, n_tokens, generator=gen)
+        out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen)
     text = job.corpus.decode(out[0].tolist())
-    print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
+    if job.engine.is_main:
+        print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
 
 
 def forget_run_dir(run_dir: Path) -> None:
@@ -190,16 +187,24 @@ def main(cfg: DictConfig) -> None:
         job = build_job(cfg)
     except ConfigError as err:
         forget_run_dir(run_dir)
-        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+        if launched_rank() == 0:  # every rank finds the same error: one says it
+            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
+    shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+    if shared != run_dir:
+        forget_run_dir(run_dir)
     try:
-        state = run(job, run_dir)
+        state = run(job, shared)
     except ConfigError as err:  # found after the run directory was in use: leave it as it is
-        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+        if launched_rank() == 0:
+            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
     except NumericError as err:
-        print(f"looplib: stopped: {err}", file=sys.stderr, flush=True)
+        if launched_rank() == 0:
+            print(f"looplib: stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_NUMERIC)
+    finally:
+        job.engine.close()
     if state.preempted:
         sys.exit(EXIT_PREEMPTED)
 

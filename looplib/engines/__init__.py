@@ -1,4 +1,9 @@
-"""Engines own what a distributed runtime must own: device placement, gradient sync, ranks."""
-from .local import Engine, Local, resolve_device
+"""Engines own what a distributed runtime must own: device placement, gradient sync, ranks.
 
-__all__ = ["Engine", "Local", "resolve_device"]
+``Local`` (one process), ``DDP`` (``looplib.engines.ddp``) and ``DeepSpeed``
+(``looplib.engines.deepspeed``, which imports deepspeed only when built).
+"""
+from .ddp import DDP
+from .local import Engine, Local, Prepared, resolve_device
+
+__all__ = ["Engine", "Local", "DDP", "Prepared", "resolve_device"]

@@ -1,7 +1,17 @@
-"""The local engine: one process, one device. The base class of every engine."""
+"""The local engine: one process, one device. The base class of every engine.
+
+The loop calls ``to_device``, ``accumulating`` and ``global_items``; ``train.py`` calls the
+rest around it: ``check`` (build time), ``setup`` (the model), ``prepare`` (the optimizer and
+precision, once built), ``shared_run_dir``, ``mean_across_ranks`` (for logged losses),
+``export_weights`` and ``close``. Every engine answers them all, so no caller branches on
+which engine it has.
+"""
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +33,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+class Prepared(NamedTuple):
+    """What the loop trains with, after the engine has taken the model, optimizer and precision."""
+    model: nn.Module
+    optimizer: Any
+    precision: Any
+    max_grad_norm: float | None   # None where the engine clips itself
+
+
 class Engine:
     """Single process. Subclasses (DDP, DeepSpeed) override the verbs that differ."""
 
@@ -30,6 +48,42 @@ class Engine:
 
     def __init__(self, device: str | torch.device = "auto"):
         self.device = resolve_device(str(device))
+
+    def check(self, settings, precision, optim) -> None:
+        """Refuse combinations this engine cannot run, at build time (before any model exists)."""
+
+    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
+        """Hand the built optimizer and precision to the engine; the loop uses what comes back."""
+        return Prepared(model, optimizer, precision, settings.max_grad_norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper the engine put around it."""
+        return model
+
+    def shared_run_dir(self, run_dir: Path) -> Path:
+        """The run directory every rank writes to (rank 0's; one process: its own)."""
+        return run_dir
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
+        return value
+
+    def export_weights(self, model: nn.Module, path: Path) -> None:
+        """The trained weights as safetensors. Every rank calls it; the main rank writes."""
+        if self.is_main:
+            write_safetensors(self.unwrap(model), Path(path))
+
+    def close(self) -> None:
+        """Tear down what ``setup`` started (a process group, ...)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""
+        import torch.distributed as dist
+        if self.world_size == 1 or not dist.is_initialized():
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +109,15 @@ class Engine:
     def global_items(self, items: int) -> int:
         """Loss-bearing items of the window across every rank (one rank: unchanged)."""
         return items
+
+
+def write_safetensors(module, path: Path) -> None:
+    """``module.state_dict()`` (tied weights stored once) as safetensors, written beside the
+    target and renamed: never a half-written file."""
+    from safetensors.torch import save_model
+    tmp = path.with_name(path.name + ".tmp")
+    save_model(module, str(tmp))
+    os.replace(tmp, path)
 
 
 Local = Engine

@@ -1,0 +1,64 @@
+"""PyTorch DistributedDataParallel: one process per device, gradients averaged by all-reduce.
+
+    torchrun --nproc_per_node 4 -m looplib.train +engine=ddp
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m looplib.train +engine=ddp
+
+``batch_size`` stays the micro-batch *per process*: the global batch is
+batch_size x accum_steps x world_size. Each rank reads its own slice of every epoch (the
+loader's ``EpochSampler`` takes rank and world), skips the all-reduce on every micro-batch but
+the window's last (``no_sync``), and only rank 0 logs and writes.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import launch
+from .local import Engine, resolve_device
+
+log = logging.getLogger("looplib")
+
+
+class DDP(Engine):
+    """``torch.nn.parallel.DistributedDataParallel``; gloo on the CPU, NCCL on CUDA."""
+
+    def __init__(self, device: str | torch.device = "auto", bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
+                 static_graph: bool = False, timeout_s: int = 1800):
+        self.device = launch.process_device(resolve_device(str(device)))  # cuda -> cuda:LOCAL_RANK
+        self.rank, self.timeout_s = launch.launched_rank(), timeout_s    # the process group comes in setup
+        self.ddp_args = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        launch.start(self)
+        model = model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        log.info("DDP: %d processes, backend %s, %s each", self.world_size, dist.get_backend(), self.device)
+        return DistributedDataParallel(model, device_ids=ids, **self.ddp_args)
+
+    def accumulating(self, model: nn.Module, last: bool):
+        return super().accumulating(model, last) if last else model.no_sync()  # all-reduce on the last only
+
+    def global_items(self, items: int) -> float:
+        return launch.items_per_rank(items, self.device)
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return launch.mean_over_ranks(value)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def shared_run_dir(self, run_dir: Path) -> Path:
+        return Path(launch.broadcast_object(str(run_dir)))
+
+    def close(self) -> None:
+        # A sweep (-m) runs several jobs in one process, so the process group lives until the
+        # process exits (launch.init_process_group registered its teardown); here, wait for peers.
+        launch.barrier()

@@ -1,0 +1,373 @@
+"""DeepSpeed ZeRO behind looplib's verbs: the loop stays the same loop.
+
+    deepspeed --num_gpus 4 --module looplib.train +engine=deepspeed engine.stage=3
+    torchrun --nproc_per_node 4 -m looplib.train +engine=deepspeed engine.offload_optimizer=cpu +optim=cpu_adam
+
+One source of truth: DeepSpeed's JSON config is *derived* from looplib's settings (batch_size,
+accum_steps, max_grad_norm, the precision and optim groups) plus the engine's own keys (ZeRO
+stage, offload), and printed. ``engine.config`` passes any further raw DeepSpeed keys; a raw
+key that would contradict a looplib setting is refused with the setting to use instead.
+
+Who does what:
+- the loop decides the accumulation boundary: DeepSpeed runs with
+  ``managed_gradient_accumulation: false``, so ``backward()`` only accumulates and each
+  ``step()`` (called by the loop once per window) reduces and updates. ``backward()`` never
+  hides a step;
+- the loop divides each micro-batch's summed loss by the window's item count (over ranks), and
+  DeepSpeed does not divide again (``backward(loss, scale_wrt_gas=False)``);
+- DeepSpeed owns loss scaling (its fp16 section, mapped from the fp16 precision's scaler
+  settings), unscaling, clipping (``gradient_clipping``, which defaults to 1.0 in DeepSpeed if
+  not set) and the optimizer step: the loop's ``precision`` and ``optimizer`` here are
+  adapters whose verbs call the ``DeepSpeedEngine``;
+- the learning-rate schedule stays looplib's, stepped by the loop once per window.
+
+deepspeed is imported only when this engine is chosen.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ..errors import ConfigError
+from ..optim import OptimizerFactory
+from ..precision import Precision
+from . import launch
+from .local import Engine, Prepared, resolve_device, write_safetensors
+
+log = logging.getLogger("looplib")
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# Raw DeepSpeed keys that looplib derives: setting them in engine.config would make two
+# sources of truth, so they are refused with the looplib setting to use instead.
+DERIVED = {
+    "train_micro_batch_size_per_gpu": "batch_size (the micro-batch per process)",
+    "train_batch_size": "batch_size and accum_steps (global batch = batch_size x accum_steps x processes)",
+    "gradient_accumulation_steps": "accum_steps",
+    "gradient_clipping": "max_grad_norm",
+    "managed_gradient_accumulation": "nothing: the loop owns the accumulation boundary",
+    "optimizer": "+optim=... (e.g. +optim=cpu_adam for DeepSpeed's CPU Adam)",
+    "scheduler": "+schedule=...",
+    "amp": "+precision=...",
+    "zero_optimization.stage": "engine.stage",
+    "zero_optimization.offload_optimizer.device": "engine.offload_optimizer",
+    "zero_optimization.offload_param.device": "engine.offload_params",
+}
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ConfigError("engine", f"+engine=deepspeed needs deepspeed, which does not import ({err})",
+                          "pip install 'looplib[deepspeed]' (DS_BUILD_OPS=0 builds no kernels ahead of time)") from None
+    from packaging.version import Version
+    if Version(deepspeed.__version__).release < (0, 19, 4):
+        raise ConfigError("engine", f"deepspeed {deepspeed.__version__} cannot leave the accumulation boundary "
+                          "to the loop (managed_gradient_accumulation arrived in 0.19.4)",
+                          "pip install 'deepspeed>=0.19.4'")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the loop's
+    return deepspeed
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def lookup(cfg: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(cfg, dict) or part not in cfg:
+            return None
+        cfg = cfg[part]
+    return cfg
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DeepSpeed(Engine):
+    """``deepspeed.initialize`` with a config derived from looplib's settings.
+
+    stage: ZeRO stage 0-3 (1: optimizer state partitioned over ranks, 2: and gradients,
+    3: and parameters). offload_optimizer / offload_params: none, cpu or nvme (nvme needs
+    ``nvme_path``; parameter offload needs stage 3; optimizer offload needs an optimizer that
+    runs on the CPU, ``+optim=cpu_adam``). config: extra raw DeepSpeed keys, merged last.
+    """
+
+    def __init__(self, device: str | torch.device = "auto", stage: int = 2, offload_optimizer: str = "none",
+                 offload_params: str = "none", nvme_path: str | None = None, config: dict | None = None,
+                 timeout_s: int = 1800):
+        self.device = launch.process_device(resolve_device(str(device)))
+        self.rank, self.timeout_s = launch.launched_rank(), timeout_s
+        self.stage, self.offload_optimizer, self.offload_params = stage, offload_optimizer, offload_params
+        if isinstance(config, DictConfig):  # Hydra passes nested config as DictConfig
+            config = OmegaConf.to_container(config, resolve=True)
+        self.nvme_path, self.raw = nvme_path, dict(config or {})
+        self._check_own_keys()
+        self.ds = None            # the DeepSpeedEngine, once prepared
+        self.derived: dict = {}
+
+    # ---------------------------------------------------------------- build-time checks
+
+    def _check_own_keys(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError("engine.stage", f"ZeRO stage {self.stage!r} does not exist", "use engine.stage=0, 1, 2 or 3")
+        for key, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
+            if value not in OFFLOAD_DEVICES:
+                raise ConfigError(f"engine.{key}", f"{value!r} is not an offload device", f"use engine.{key}=none, cpu or nvme")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ConfigError("engine.offload_params", f"parameter offload needs ZeRO stage 3 (got engine.stage={self.stage})",
+                              "use engine.stage=3, or engine.offload_params=none")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ConfigError("engine.offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3 (got engine.stage=0)",
+                              "use engine.stage=2 (or 1, 3), or engine.offload_optimizer=none")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ConfigError("engine.nvme_path", "offload to nvme needs a directory on an NVMe drive",
+                              "set engine.nvme_path=/local_nvme/ds_offload")
+        for dotted, instead in DERIVED.items():
+            if lookup(self.raw, dotted) is not None:
+                raise ConfigError(f"engine.config.{dotted}", "looplib derives this DeepSpeed key from its own settings",
+                                  f"remove it and set {instead}")
+
+    def check(self, settings, precision, optim=None) -> None:
+        if os.environ.setdefault("DS_ACCELERATOR", self.device.type) != self.device.type:
+            raise ConfigError("device", f"device={self.device} but DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}",
+                              "unset DS_ACCELERATOR or make it match device")
+        deepspeed = import_deepspeed()
+        accelerator = deepspeed.get_accelerator()
+        if accelerator.device_name() != self.device.type:
+            raise ConfigError("device", f"device={self.device} but DeepSpeed's accelerator is "
+                              f"{accelerator.device_name()} (deepspeed was imported before looplib chose)",
+                              "set DS_ACCELERATOR to match device, or device=auto")
+        self.derived = self.derive(settings, precision)
+        enabled = [k for k in ("fp16", "bf16") if lookup(self.derived, f"{k}.enabled")]
+        if len(enabled) == 2:
+            raise ConfigError("engine.config", "fp16 and bf16 are both enabled",
+                              "choose one precision with +precision=fp16 or +precision=bf16 and drop "
+                              "engine.config.fp16/bf16.enabled")
+        wanted = [k for k in ("fp16", "bf16") if k in self.precision_sections(precision)]
+        if enabled != wanted:
+            raise ConfigError("engine.config", f"engine.config enables {enabled[0]} but the precision is "
+                              f"{getattr(precision, 'name', type(precision).__name__)}",
+                              f"use +precision={enabled[0]} and drop engine.config.{enabled[0]}.enabled")
+        if "fp16" in enabled and not accelerator.is_fp16_supported():
+            raise ConfigError("precision", f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16",
+                              "use +precision=bf16 or +precision=fp32")
+        if optim is not None:  # a factory: the class it builds says where it runs
+            built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(type(optim.build(nn.Linear(1, 1))))
+            self._check_optimizer(built)
+
+    def _check_optimizer(self, built: str) -> None:
+        """Optimizer offload runs the optimizer step on the CPU: the optimizer must run there."""
+        package, name = built.split(".")[0], built.split(".")[-1]
+        cpu_adam = name == "DeepSpeedCPUAdam"
+        if self.offload_optimizer != "none":
+            if package == "bitsandbytes":
+                raise ConfigError("optim", f"{name} is an 8-bit GPU optimizer, but optimizer offload runs the "
+                                  "optimizer on the CPU", "use +optim=cpu_adam (DeepSpeed's CPU Adam), or "
+                                  "engine.offload_optimizer=none")
+            if not cpu_adam and self.derived.get("zero_force_ds_cpu_optimizer", True):
+                raise ConfigError("optim", f"optimizer offload with {package}'s {name}: DeepSpeed expects its CPU "
+                                  "Adam there", "use +optim=cpu_adam, or allow a slow torch optimizer with "
+                                  "+engine.config.zero_force_ds_cpu_optimizer=false")
+        elif cpu_adam and self.device.type != "cpu":
+            raise ConfigError("optim", "+optim=cpu_adam steps on the CPU, but without optimizer offload the "
+                              f"optimizer state lives on {self.device}", "add engine.offload_optimizer=cpu, "
+                              "or choose +optim=adamw")
+
+    # ---------------------------------------------------------------- the derived config
+
+    @staticmethod
+    def precision_sections(precision) -> dict:
+        """bf16/fp16 sections from the precision strategy (by its dtype, so subclasses map too)."""
+        dtype = getattr(precision, "dtype", None)
+        if dtype == torch.bfloat16:
+            return {"bf16": {"enabled": True}}
+        if dtype != torch.float16:
+            return {}  # fp32, tf32: no section, fp32 weights
+        args = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                **getattr(precision, "scaler_args", {})}
+        power = math.log2(args["init_scale"])
+        if args["growth_factor"] != 2.0 or args["backoff_factor"] != 0.5 or power != int(power):
+            raise ConfigError("precision", f"DeepSpeed's loss scaler doubles and halves a power of two, not "
+                              f"init_scale={args['init_scale']} growth_factor={args['growth_factor']} "
+                              f"backoff_factor={args['backoff_factor']}",
+                              "use precision.init_scale=65536 growth_factor=2 backoff_factor=0.5 under DeepSpeed")
+        return {"fp16": {"enabled": True, "loss_scale": 0,            # 0: dynamic
+                         "initial_scale_power": int(power),
+                         "loss_scale_window": args["growth_interval"],
+                         "hysteresis": 1,                           # back off on every overflow, as GradScaler
+                         "min_loss_scale": 1}}
+
+    def derive(self, settings, precision, world_size: int = 1) -> dict:
+        zero: dict[str, Any] = {"stage": self.stage}
+        for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_params)):
+            if device != "none":
+                zero[key] = {"device": device, **({"nvme_path": self.nvme_path} if device == "nvme" else {}),
+                             **({"pin_memory": True} if self.device.type == "cuda" else {})}
+        derived = {
+            "train_micro_batch_size_per_gpu": settings.batch_size,
+            "gradient_accumulation_steps": settings.accum_steps,
+            "train_batch_size": settings.batch_size * settings.accum_steps * world_size,
+            "managed_gradient_accumulation": False,         # the loop's step() is the boundary
+            "gradient_clipping": float(settings.max_grad_norm or 0.0),  # DeepSpeed would clip at 1.0
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,          # the optimizer is built by looplib's optim group
+            "steps_per_print": 2**31 - 1,                   # looplib's telemetry reports progress
+            **self.precision_sections(precision),
+        }
+        return merge(derived, self.raw)
+
+    # ---------------------------------------------------------------- the engine verbs
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        launch.start(self)
+        return model.to(self.device)  # so the optimizer is built on device tensors (fused kernels)
+
+    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
+        deepspeed = import_deepspeed()
+        if not self.derived:  # used without train.py's build-time check
+            self.check(settings, precision, None)
+            self._check_optimizer(class_name(type(optimizer)))
+        config = self.derive(settings, precision, self.world_size)
+        log.info("DeepSpeed config derived from looplib's settings:\n%s", json.dumps(config, indent=2))
+        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        steps = StepHooks(optimizer)
+        return Prepared(self.ds, steps, DeepSpeedPrecision(self.ds, steps, precision), None)
+
+    def accumulating(self, model, last: bool):
+        # ZeRO 0/1 reduce in step(); ZeRO 2/3 reduce-scatter each micro-batch's gradients into
+        # their partitions by design. Either way the loop has nothing to switch off.
+        return nullcontext()
+
+    def global_items(self, items: int) -> float:
+        return launch.items_per_rank(items, self.device)
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return launch.mean_over_ranks(value)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def shared_run_dir(self, run_dir: Path) -> Path:
+        return Path(launch.broadcast_object(str(run_dir)))
+
+    def close(self) -> None:
+        launch.barrier()
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter whole and in fp32 (the optimizer's master copy under ZeRO and mixed
+        precision), on the CPU. Collective: every rank calls it; ZeRO-3 gathers the partitions."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        module = self.unwrap(model)
+        whole = {}
+        for p in module.parameters():  # same order on every rank
+            full = safe_get_full_fp32_param(p)
+            whole[id(p)] = (p.detach() if full is None else full).to("cpu", torch.float32, copy=True)
+        # tied names map to the same tensor, so safetensors stores them once, as save_model does
+        return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
+                for name, t in module.state_dict(keep_vars=True).items()}
+
+    def export_weights(self, model: nn.Module, path: Path) -> None:
+        weights = self.full_weights(model)
+        if self.is_main:
+            write_safetensors(_StateDict(weights), Path(path))
+
+    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
+                        tag: str | None = None) -> None:
+        """DeepSpeed's own checkpoint (model, optimizer partitions, loss scaler) plus
+        ``client_state`` (looplib's: step, schedule, RNG, data position) in ``directory/tag``.
+        Every rank calls it."""
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
+        """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state."""
+        path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
+        return client_state
+
+
+class DeepSpeedPrecision(Precision):
+    """The precision the loop sees under DeepSpeed: DeepSpeed scales, unscales, clips and steps.
+
+    The model is already in DeepSpeed's 16-bit format (bf16/fp16 sections), so no autocast;
+    the loss arrives divided by the window's items and is not divided again."""
+
+    def __init__(self, ds, steps: StepHooks, chosen: Precision):
+        self.ds, self.steps = ds, steps
+        self.name = f"{getattr(chosen, 'name', 'custom')} (DeepSpeed)"
+        self.device = getattr(chosen, "device", None)
+
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
+
+    def step(self, optimizer, grad_norm=None) -> None:
+        self.ds.step()                               # reduce, unscale, clip, update, zero
+        if self.ds.was_step_applied():               # an fp16 overflow skips the update
+            self.steps.stepped()
+
+
+class StepHooks:
+    """The optimizer as the loop sees it under DeepSpeed. ZeRO wraps the real optimizer and
+    fires its hooks more than once per update, so step hooks (the telemetry's count of real
+    updates) fire here, once per applied DeepSpeed step. Gradients are zeroed by DeepSpeed."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer, self.hooks = optimizer, []
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def register_step_post_hook(self, hook):
+        self.hooks.append(hook)
+
+    def stepped(self) -> None:
+        for hook in self.hooks:
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # DeepSpeedEngine.step() already did
+
+
+class CPUAdam(OptimizerFactory):
+    """DeepSpeed's CPU Adam(W) (``deepspeed.ops.adam.DeepSpeedCPUAdam``): the optimizer that
+    ZeRO-Offload runs on the CPU. Its kernel is compiled on first use (needs a C++ compiler)."""
+
+    CLASS = "deepspeed.ops.adam.DeepSpeedCPUAdam"  # what it builds, known without compiling the kernel
+
+    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, adamw_mode: bool = True):
+        super().__init__(lr, weight_decay)
+        self.betas, self.eps, self.adamw_mode = tuple(betas), eps, adamw_mode
+
+    def create(self, groups):
+        import_deepspeed()
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=self.lr, betas=self.betas, eps=self.eps, adamw_mode=self.adamw_mode)
+
+
+class _StateDict:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def state_dict(self):
+        return self.weights

@@ -1,0 +1,156 @@
+"""Several processes, one run: who am I (rank, world, local rank), the process group, one run directory.
+
+Launchers say who a process is through the environment: torchrun and the ``deepspeed``
+launcher set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; a SLURM task started
+by Hydra's submitit launcher has SLURM_PROCID / SLURM_NTASKS instead, which submitit's own
+helper translates. A process started by hand is a world of one on a free local port.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ..errors import ConfigError
+
+TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (0 when started by hand). No process group needed."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ.get("SLURM_PROCID", "0"))
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export_torch_env() -> None:
+    """Make sure the env:// rendezvous variables exist (torchrun, deepspeed, SLURM, or by hand)."""
+    if all(k in os.environ for k in TORCH_ENV):
+        return
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        try:
+            from submitit.helpers import TorchDistributedEnvironment
+        except ImportError:
+            raise ConfigError("engine", "a SLURM job with several tasks needs submitit to find its peers",
+                              "pip install hydra-submitit-launcher, or start the tasks with torchrun") from None
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return
+    # started by hand: a world of one (DeepSpeed would otherwise go looking for MPI)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
+def process_device(device: torch.device) -> torch.device:
+    """One GPU per process: cuda -> cuda:LOCAL_RANK. A CPU stays the CPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank())
+    return device
+
+
+def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
+    """NCCL on CUDA, gloo on the CPU. Once per process: a sweep (-m) reuses it for every job,
+    and it is torn down when the process exits."""
+    if dist.is_initialized():
+        return
+    export_torch_env()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    atexit.register(destroy_process_group)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start(engine) -> None:
+    """Bring up the process group for ``engine`` and learn its rank and world size."""
+    init_process_group(engine.device, engine.timeout_s)
+    engine.rank, engine.world_size = dist.get_rank(), dist.get_world_size()
+    if engine.rank != 0:  # one voice: the other ranks only warn
+        logging.getLogger("looplib").setLevel(logging.WARNING)
+
+
+def items_per_rank(items: int, device: torch.device) -> float:
+    """Items of the window summed over ranks, divided by the world size. The gradients are
+    *averaged* over ranks (DDP, DeepSpeed), so dividing each rank's summed loss by this makes
+    the update sum(loss over every rank) / (items over every rank)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return items
+    total = torch.tensor([items], dtype=torch.float64, device=device)
+    dist.all_reduce(total)  # one scalar per window
+    return total.item() / world
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    world = dist.get_world_size()
+    if world == 1:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value / world
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ----------------------------------------------------------------- one run directory per run
+
+def rank0_dir(path: str) -> str:
+    """Hydra resolver ``${looplib.rank0_dir:...}`` for hydra.run.dir and hydra.sweep.dir.
+
+    Under torchrun every rank would resolve ``${now:...}`` itself and make its own timestamped
+    directory (hydra #2070). Rank 0 keeps the real path; every other rank gets a private
+    scratch directory, removed when the process exits, and writes into rank 0's directory once
+    the process group is up (``Engine.shared_run_dir`` broadcasts it).
+    """
+    rank = launched_rank()
+    if rank == 0:
+        return path
+    scratch = Path(tempfile.gettempdir()) / f"looplib-rank{rank}-{os.getpid()}"
+    if not scratch.exists():
+        scratch.mkdir(parents=True, exist_ok=True)
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return str(scratch)
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("looplib.rank0_dir"):
+        OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)

@@ -1,0 +1,148 @@
+"""Training runs used by the engine tests, as plain functions: in this process (the local
+reference) or in processes started by torch.multiprocessing (one per rank)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.multiprocessing as mp
+
+from conftest import random_tokens, tiny_gpt
+from looplib.accumulation import Accumulation
+from looplib.data import Epochs, build_loader
+from looplib.engines import DDP, Engine
+from looplib.engines.launch import free_port
+from looplib.loop import TrainState, fit
+from looplib.objectives import TokenCrossEntropy
+from looplib.optim import AdamW, WarmupCosine
+from looplib.precision import FP32
+from looplib.telemetry import Telemetry
+
+GLOBAL_BATCH, ACCUM, STEPS, MORE = 8, 2, 4, 2   # 64 samples: one epoch is 4 steps, MORE crosses into epoch 2
+LR, CLIP = 1e-2, 0.5
+
+
+def settings(world: int, steps: int = STEPS):
+    return SimpleNamespace(batch_size=GLOBAL_BATCH // world, accum_steps=ACCUM, max_grad_norm=CLIP, max_steps=steps)
+
+
+def loader(rank: int, world: int):
+    return build_loader(random_tokens(64), batch_size=GLOBAL_BATCH // world, seed=0, rank=rank, world=world)
+
+
+class Rows(Telemetry):
+    """Telemetry that keeps every logged loss (on every rank, so the test can read rank 0's)."""
+
+    def __init__(self, engine):
+        super().__init__(log_every=1, enabled=False)
+        self.reduce_loss = engine.mean_across_ranks
+        self.losses = []
+
+    def write(self, row):
+        super().write(row)
+        if "loss" in row:
+            self.losses.append(row["loss"])
+
+
+def train(engine: Engine, model, optimizer, scheduler, precision, max_grad_norm, epochs, steps, state=None):
+    telemetry = Rows(engine)
+    state = fit(model, epochs, objective=TokenCrossEntropy(), optimizer=optimizer, scheduler=scheduler,
+                precision=precision, accumulation=Accumulation(ACCUM), engine=engine, max_steps=steps,
+                max_grad_norm=max_grad_norm, telemetry=telemetry, state=state)
+    return state, telemetry
+
+
+def local_reference(steps: int = STEPS):
+    """One process, the whole global batch per step: the run every engine must reproduce."""
+    engine = Engine("cpu")
+    model = engine.setup(tiny_gpt())
+    optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    _, telemetry = train(engine, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(0, 1)), steps)
+    return telemetry.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def set_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def spawn(fn, world: int, out: Path, *args) -> None:
+    mp.spawn(fn, args=(world, free_port(), str(out), *args), nprocs=world, join=True)
+
+
+# ------------------------------------------------------------------------------ DDP
+
+def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    set_env(rank, world, port)
+    engine = DDP("cpu", bucket_cap_mb=100)  # the tiny model fits one bucket: one all-reduce per sync
+    model = engine.setup(tiny_gpt())
+    calls = [0]
+
+    def counting(state, bucket):
+        calls[0] += 1
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting)
+    optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    _, telemetry = train(engine, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(engine.rank, world)), STEPS)
+    if engine.is_main:
+        torch.save({"losses": telemetry.losses, "allreduces": calls[0], "steps": telemetry.optimizer_steps,
+                    "weights": engine.unwrap(model).state_dict()}, Path(out) / "ddp.pt")
+    engine.close()
+
+
+# ------------------------------------------------------------------------------ DeepSpeed
+
+def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[int]) -> None:
+    from looplib.engines.deepspeed import DeepSpeed
+    from safetensors.torch import load_file
+    set_env(rank, world, port)
+    results = {}
+    for stage in stages:
+        def build():
+            engine = DeepSpeed("cpu", stage=stage)
+            engine.check(settings(world), FP32(), AdamW(lr=LR, weight_decay=0.1))
+            model = engine.setup(tiny_gpt())
+            optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+            scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+            return engine, scheduler, engine.prepare(model, optimizer, FP32(), settings(world))
+
+        engine, scheduler, p = build()
+        epochs = Epochs(loader(engine.rank, world))
+        state, t1 = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm, epochs, STEPS)
+        counts = t1.optimizer_steps, t1.boundaries  # before t2 adds its own hook on the same optimizer
+        live = engine.full_weights(p.model)
+        export = Path(out) / f"stage{stage}.safetensors"
+        engine.export_weights(p.model, export)
+        ckpt = Path(out) / f"ckpt{stage}"
+        engine.save_checkpoint(ckpt, {"step": state.step, "scheduler": scheduler.state_dict(),
+                                      "epoch": epochs.epoch, "batches_seen": epochs.batches_seen})
+        _, t2 = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm, epochs, STEPS + MORE, state)
+        continued = engine.full_weights(p.model)
+
+        engine2, scheduler2, p2 = build()  # a fresh process would do the same: build, then load
+        client = engine2.load_checkpoint(ckpt)
+        scheduler2.load_state_dict(client["scheduler"])
+        epochs2 = Epochs(loader(engine2.rank, world), client["epoch"], client["batches_seen"])
+        _, t3 = train(engine2, p2.model, p2.optimizer, scheduler2, p2.precision, p2.max_grad_norm, epochs2,
+                      STEPS + MORE, TrainState(step=client["step"]))
+        resumed = engine2.full_weights(p2.model)
+        if engine.is_main:
+            exported = load_file(export)
+            results[stage] = {
+                "losses": t1.losses, "continued": t2.losses, "resumed": t3.losses,
+                "optimizer_steps": counts[0], "boundaries": counts[1],
+                "export_keys": sorted(exported), "live_keys": sorted(live),
+                "export_equals_live": all(torch.equal(exported[k], live[k]) for k in exported),
+                "resume_equals_continue": all(torch.equal(continued[k], resumed[k]) for k in continued),
+                "weights": {k: v.tolist() for k, v in live.items()},
+                "continued_weights": {k: v.tolist() for k, v in continued.items()},
+            }
+    if rank == 0:
+        (Path(out) / "deepspeed.json").write_text(json.dumps(results))
