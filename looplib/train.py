@@ -152,7 +152,7 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
 
 def mfu_settings(job: Job) -> dict:
     """FLOPs of one training sample (bundled models know theirs) and the device's peak."""
-    flops = getattr(job.model, "flops_per_sequence", None)
+    flops = getattr(job.engine.unwrap(job.model), "flops_per_sequence", None)
     precision = getattr(job.precision, "name", "fp32")
     return {"flops_per_sample": flops() if flops else None,
             "peak_flops": peak_flops(job.engine.device, precision, job.settings.peak_tflops)}

@@ -86,3 +86,20 @@ def test_one_process_without_a_launcher_is_a_world_of_one(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "DDP: 1 processes, backend gloo" in r.stdout
     assert len([m for m in rows(tmp_path / "run" / "metrics.jsonl") if "loss" in m]) == 4
+
+
+def test_torchrun_resume_continues_exactly(tmp_path):
+    """A 2-rank DDP run checkpointed by rank 0 and resumed by both ranks from step 2."""
+    common = ["+engine=ddp", *QUICK, "batch_size=4", "checkpoint.every_steps=2", "sample_tokens=0"]
+    full = tmp_path / "full"
+    r = torchrun(*common, f"hydra.run.dir={full}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    resumed = tmp_path / "resumed"
+    r = torchrun(*common, f"resume={full / 'checkpoints' / 'step-00000002'}", f"hydra.run.dir={resumed}",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    full_losses = {m["step"]: m["loss"] for m in rows(full / "metrics.jsonl") if "loss" in m}
+    resumed_losses = {m["step"]: m["loss"] for m in rows(resumed / "metrics.jsonl") if "loss" in m}
+    assert resumed_losses == {3: full_losses[3], 4: full_losses[4]}

@@ -135,3 +135,26 @@ def test_cli_stage3_run_exports_what_the_local_engine_trains(tmp_path):
                if '"loss"' in x] for d in ("ds", "local")]
     assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL)
     assert "a sample from the trained model" in r.stdout
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cli_resume_through_deepspeeds_own_checkpoint(tmp_path, stage):
+    """looplib's checkpoints under DeepSpeed: the engine writes its partitions, looplib its
+    manifest (written last); resume=PATH continues exactly as the uninterrupted run."""
+    common = [*QUICK, "+engine=deepspeed", f"engine.stage={stage}", "max_steps=4", "accum_steps=2",
+              "log_every=1", "checkpoint.every_steps=2", "checkpoint.keep=3", "seed=3"]
+    full = tmp_path / "full"
+    r = run_cli(*common, f"hydra.run.dir={full}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    from looplib.state import is_valid
+    ckpts = sorted((full / "checkpoints").iterdir())
+    assert [c.name for c in ckpts if c.is_dir()] == ["step-00000002", "step-00000004"]
+    assert all(is_valid(c) is None for c in ckpts if c.is_dir())
+    resumed = tmp_path / "resumed"
+    r = run_cli(*common, f"resume={full / 'checkpoints' / 'step-00000002'}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = [{json.loads(x)["step"]: json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in x} for d in (full, resumed)]
+    assert losses[1] == {3: losses[0][3], 4: losses[0][4]}
