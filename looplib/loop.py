@@ -29,12 +29,14 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         max_steps: int, scheduler=None, precision: Precision | None = None,
         accumulation: Accumulation | None = None, engine: Engine | None = None,
         max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
-        eval_data=None, eval_every: int = 0, state: TrainState | None = None) -> TrainState:
+        eval_data=None, eval_every: int = 0, state: TrainState | None = None,
+        evaluator=None) -> TrainState:
     """Train ``model`` (already on ``engine``'s device) for ``max_steps`` optimizer steps."""
     precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
     engine, state = engine or Engine("cpu"), state or TrainState()
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
+    evaluator = evaluator or evaluate  # looplib.evaluation: e.g. half-precision weights
     epochs = data if isinstance(data, Epochs) else Epochs(data)
     telemetry.watch(optimizer)
     model.train()
@@ -57,7 +59,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         state.step, state.epoch = state.step + 1, epochs.epoch
         telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm)
         if eval_data is not None and eval_every and state.step % eval_every == 0:
-            telemetry.eval(state.step, evaluate(model, eval_data, objective, precision, engine))
+            telemetry.eval(state.step, evaluator(model, eval_data, objective, precision, engine))
         if state.step >= max_steps:
             break
     return state

@@ -42,6 +42,9 @@ class Job:
     objective: Any
     corpus: Any = None
     model: Any = None
+    peft: Any = None          # looplib.adapters: FullModel (null) or LoRA
+    compile: Any = None       # looplib.compile: Compile (eager, null) or TorchCompile
+    evaluation: Any = None    # looplib.evaluation: Evaluation (null) or HalfWeights
 
 
 def build_job(cfg: DictConfig) -> Job:
@@ -53,9 +56,10 @@ def build_job(cfg: DictConfig) -> Job:
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
+    job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     torch.manual_seed(settings.seed)
     job.corpus = instantiate(cfg, "data")
-    job.model = engine.setup(instantiate(cfg, "model"))
+    job.model = job.compile.wrap(engine.setup(job.peft.wrap(instantiate(cfg, "model"))))
     return job
 
 
@@ -83,13 +87,14 @@ def run(job: Job, run_dir: Path) -> TrainState:
         state = fit(job.model, Epochs(train), objective=job.objective, optimizer=optimizer,
                     scheduler=scheduler, precision=job.precision, accumulation=Accumulation(s.accum_steps),
                     engine=engine, max_steps=s.max_steps, max_grad_norm=s.max_grad_norm,
-                    telemetry=telemetry, eval_data=eval_batches, eval_every=s.eval_every)
+                    telemetry=telemetry, eval_data=eval_batches, eval_every=s.eval_every,
+                    evaluator=job.evaluation)
         if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
-            telemetry.eval(state.step, evaluate(job.model, eval_batches, job.objective, job.precision, engine))
+            telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective, job.precision, engine))
     finally:
         telemetry.close()
     if engine.is_main:
-        save_weights(job.model, run_dir / "model.safetensors")
+        job.peft.save(job.model, run_dir)  # model.safetensors, or only the LoRA adapter
         if s.sample_tokens and hasattr(job.model, "generate"):
             print_sample(job, s.sample_tokens)
     log.info("done: %s", run_dir)
