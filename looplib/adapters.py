@@ -18,6 +18,8 @@ from .errors import ConfigError
 # The bundled GPT's attention and MLP linears (looplib/models/gpt.py); peft matches a name
 # when it equals a module's full name or ends it after a dot ("mlp.0" -> "blocks.3.mlp.0").
 GPT_LINEARS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+# the layer types peft's LoRA adapts (plus transformers' Conv1D, recognised by name)
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
 
 class FullModel:
@@ -42,11 +44,17 @@ class LoRA(FullModel):
                            target_modules=list(target_modules), bias=bias)
 
     def wrap(self, model):
-        names = [n for n, _ in model.named_modules()]
+        modules = dict(model.named_modules())
         for target in self.config["target_modules"]:
-            if not any(n == target or n.endswith("." + target) for n in names):
+            matched = [n for n in modules if n == target or n.endswith("." + target)]
+            if not matched:
                 raise ConfigError("peft.target_modules", f"no module of {type(model).__name__} is named {target!r}",
                                   "name Linear layers of the model, e.g. peft.target_modules=[attn.qkv,mlp.0]")
+            for name in matched:
+                if not isinstance(modules[name], ADAPTABLE) and type(modules[name]).__name__ != "Conv1D":
+                    raise ConfigError("peft.target_modules",
+                                      f"{target!r} names {name}, a {type(modules[name]).__name__}, which LoRA cannot adapt",
+                                      "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
         try:
             return self.peft.get_peft_model(model, self.peft.LoraConfig(**self.config))
         except ValueError as err:  # e.g. a target that is not a Linear/Embedding/Conv layer
