@@ -35,8 +35,11 @@ class CausalLM(nn.Module):
                               "use a transformers model type, e.g. llama, gpt2, mistral") from None
         self.seq_len = seq_len
         self.hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
-        if gradient_checkpointing:
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if gradient_checkpointing:  # transformers >= 5 renamed it activation checkpointing
+            if hasattr(self.hf, "activation_checkpointing_enable"):
+                self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
