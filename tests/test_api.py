@@ -72,13 +72,14 @@ def test_a_script_trains_without_importing_hydra(tmp_path):
     assert r.stdout.strip().endswith("ok")
 
 
-def test_readme_python_example_names_real_arguments():
-    """The README's 'Without Hydra' example uses train_model's real keyword arguments."""
-    import inspect
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    """The README's first 'Without Hydra' example, as written (fewer steps, on the CPU)."""
     text = (REPO / "README.md").read_text()
-    section = text.split("## Without Hydra", 1)[1].split("\n## ", 1)[0]
-    params = set(inspect.signature(train_model).parameters)
-    import re
-    call = section.split("train_model(", 1)[1].split("\n\n", 1)[0]
-    used = set(re.findall(r"(\w+)=", call))
-    assert used and used <= params, used - params
+    section = text.split("## Without Hydra", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    assert "train_model(" in code
+    code = code.replace("max_steps=1000", "max_steps=2").replace('device="auto"', 'device="cpu"')
+    monkeypatch.chdir(tmp_path)
+    namespace = {"MyModel": tiny_gpt, "my_dataset": random_tokens(n=16), "my_held_out": random_tokens(n=8, seed=1)}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["result"].state.step == 2 and (tmp_path / "metrics.jsonl").exists()
