@@ -8,12 +8,15 @@ loads them back. peft is imported only when LoRA is chosen (``pip install 'loopl
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from torch import nn
 
 from .errors import ConfigError
+
+log = logging.getLogger("looplib")
 
 # The bundled GPT's attention and MLP linears (looplib/models/gpt.py); peft matches a name
 # when it equals a module's full name or ends it after a dot ("mlp.0" -> "blocks.3.mlp.0").
@@ -56,10 +59,14 @@ class LoRA(FullModel):
                                       f"{target!r} names {name}, a {type(modules[name]).__name__}, which LoRA cannot adapt",
                                       "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
         try:
-            return self.peft.get_peft_model(model, self.peft.LoraConfig(**self.config))
-        except ValueError as err:  # e.g. a target that is not a Linear/Embedding/Conv layer
+            wrapped = self.peft.get_peft_model(model, self.peft.LoraConfig(**self.config))
+        except ValueError as err:  # anything peft refuses that the checks above did not catch
             raise ConfigError("peft.target_modules", str(err).splitlines()[0],
                               "name Linear (or Embedding/Conv) layers of the model") from None
+        trainable, total = wrapped.get_nb_trainable_parameters()
+        log.info("LoRA r=%d on %s: %s of %s parameters train (%.2f%%)", self.config["r"],
+                 ",".join(self.config["target_modules"]), f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+        return wrapped
 
     def save(self, model, run_dir):
         model.save_pretrained(str(Path(run_dir) / "adapter"))  # safetensors by default
