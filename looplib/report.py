@@ -57,12 +57,17 @@ def summarise(rows: list[dict]) -> dict:
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     steady = train[1:] or train
+
+    def median(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
     return {
         "steps": train[-1]["step"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
-        "samples_per_s": statistics.median(r["samples_per_s"] for r in steady) if steady else None,
+        "tokens_per_s": median("tokens_per_s"),
+        "samples_per_s": median("samples_per_s"),
         "peak_mem_mb": max((r.get("peak_mem_mb", 0) for r in train), default=None),
         "skipped_steps": train[-1].get("skipped_steps") if train else None,
     }
