@@ -1,15 +1,23 @@
 """looplib: a pure-PyTorch training loop with pluggable strategies and no Trainer class.
 
-    from looplib import fit, FP16, AdamW, Accumulation
-    fit(model, loader, objective=TokenCrossEntropy(), optimizer=AdamW(lr=3e-4).build(model),
-        precision=FP16(), accumulation=Accumulation(4), max_steps=1000)
+    from looplib import BF16, AdamW, train_model
+    result = train_model(model, dataset, max_steps=1000, batch_size=8, accum_steps=4,
+                         precision=BF16(), optim=AdamW(lr=3e-4, weight_decay=0.1))
 
-Heavy optional libraries (bitsandbytes, deepspeed) are imported only when chosen.
+or, piece by piece, ``fit(model, loader, objective=..., optimizer=..., precision=..., ...)``.
+The base classes to subclass are ``Precision``/``Autocast``, ``OptimizerFactory``, ``Schedule``,
+``Compile``, ``Evaluation``, ``FullModel`` (adapters) and ``Corpus`` (data); see
+docs/extending.md. Heavy optional libraries (bitsandbytes, deepspeed, peft, transformers,
+matplotlib) are imported only when chosen; importing looplib never imports Hydra.
 """
 from .accumulation import Accumulation, Window
-from .data import EpochSampler, Epochs, build_loader
+from .adapters import GPT_LINEARS, FullModel, LoRA, load_lora
+from .api import Trained, train_model
+from .compile import Compile, NoCompile, TorchCompile
+from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
 from .errors import ConfigError
+from .evaluation import Evaluation, HalfWeights
 from .loop import TrainState, evaluate, fit
 from .objectives import SequenceCrossEntropy, TokenCrossEntropy
 from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
@@ -24,4 +32,7 @@ __all__ = [
     "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
+    "train_model", "Trained", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
+    "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
+    "GPT_LINEARS",
 ]

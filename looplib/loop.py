@@ -22,7 +22,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         max_steps: int, scheduler=None, precision: Precision | None = None,
         accumulation: Accumulation | None = None, engine: Engine | None = None,
         max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
-        eval_data=None, eval_every: int = 0, checkpoints: Checkpoints | None = None,
+        eval_data=None, eval_every: int = 0, evaluator=None, checkpoints: Checkpoints | None = None,
         state: TrainState | None = None) -> TrainState:
     """Train ``model`` (already on ``engine``'s device) until ``state.step == max_steps``, or
     until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True)."""
@@ -31,6 +31,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
     checkpoints = checkpoints or Checkpoints(None)
+    evaluator = evaluator or evaluate  # looplib.evaluation: e.g. half-precision weights
     epochs = data if isinstance(data, Epochs) else Epochs(data)
     telemetry.watch(optimizer, epochs)
     model.train()
@@ -53,7 +54,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         state.end_window(epochs, updated=telemetry.updated())
         telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm)
         if eval_data is not None and eval_every and state.step % eval_every == 0:
-            telemetry.eval(state.step, evaluate(model, eval_data, objective, precision, engine))
+            telemetry.eval(state.step, evaluator(model, eval_data, objective, precision, engine))
         if checkpoints.after_step(state) or state.step >= max_steps:  # saves when due; preemption
             break
     return state

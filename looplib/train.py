@@ -26,7 +26,7 @@ from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers
 from .errors import EXIT_CONFIG, ConfigError
-from .loop import evaluate, fit
+from .loop import fit
 from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
                     find_checkpoint)
 from .plan import optimizer_state_bytes
@@ -48,6 +48,9 @@ class Job:
     objective: Any
     corpus: Any = None
     model: Any = None
+    peft: Any = None          # looplib.adapters: FullModel (null) or LoRA
+    compile: Any = None       # looplib.compile: Compile (eager, null) or TorchCompile
+    evaluation: Any = None    # looplib.evaluation: Evaluation (null) or HalfWeights
 
 
 def build_job(cfg: DictConfig) -> Job:
@@ -61,9 +64,11 @@ def build_job(cfg: DictConfig) -> Job:
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     engine.check(settings, precision, job.optim)
     torch.manual_seed(settings.seed)
+    job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
-    job.model = engine.setup(checkpointing.apply(instantiate(cfg, "model")))
+    model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
+    job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job))
     return job
@@ -107,19 +112,20 @@ def run(job: Job, run_dir: Path) -> TrainState:
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
                 precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
-                eval_data=eval_batches, eval_every=s.eval_every, checkpoints=checkpoints, state=state)
+                eval_data=eval_batches, eval_every=s.eval_every, evaluator=job.evaluation,
+                checkpoints=checkpoints, state=state)
             if state.preempted:
                 log.warning("preempted (signal %s) at step %d: checkpoint saved; exit %d. Continue with: "
                             "python -m looplib.train ... resume=auto hydra.run.dir=%s",
                             preemption.signum, state.step, EXIT_PREEMPTED, run_dir)
                 return state
             if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
-                telemetry.eval(state.step, evaluate(job.model, eval_batches, job.objective, job.precision,
-                                                    engine))
+                telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
+                                                          job.precision, engine))
             checkpoints.save(state)
         finally:
             telemetry.close()
-    engine.export_weights(job.model, run_dir / "model.safetensors")  # every rank: ZeRO-3 gathers
+    job.peft.save(job.model, run_dir, engine)  # model.safetensors (every rank: ZeRO-3 gathers) or the adapter
     if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
         print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)

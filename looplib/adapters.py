@@ -1,0 +1,100 @@
+"""Parameter-efficient fine-tuning: ``+peft=lora`` wraps the model with the peft library's LoRA.
+
+Only the adapter weights require gradients, so the optimizer (built from trainable
+parameters only, ``looplib.optim.param_groups``) holds state for them alone, and the run
+saves them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
+own format) instead of ``model.safetensors``. ``load_lora(fresh_model, run_dir / "adapter")``
+loads them back. peft is imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from torch import nn
+
+from .errors import ConfigError
+
+log = logging.getLogger("looplib")
+
+# The bundled GPT's attention and MLP linears (looplib/models/gpt.py); peft matches a name
+# when it equals a module's full name or ends it after a dot ("mlp.0" -> "blocks.3.mlp.0").
+GPT_LINEARS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+# the layer types peft's LoRA adapts (plus transformers' Conv1D, recognised by name)
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
+class FullModel:
+    """Train and save every parameter: the null object."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def save(self, model: nn.Module, run_dir: Path, engine=None) -> None:
+        """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors."""
+        if engine is None:
+            save_weights(model, Path(run_dir) / "model.safetensors")
+        else:
+            engine.export_weights(model, Path(run_dir) / "model.safetensors")
+
+
+class LoRA(FullModel):
+    """Low-rank adapters (``peft.LoraConfig``) on the modules named by ``target_modules``."""
+
+    def __init__(self, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+                 target_modules: list[str] | tuple[str, ...] = GPT_LINEARS, bias: str = "none"):
+        if r < 1:
+            raise ConfigError("peft.r", f"the LoRA rank must be at least 1 (got r={r})", "use e.g. peft.r=8")
+        self.peft = import_peft()
+        self.config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                           target_modules=list(target_modules), bias=bias)
+
+    def wrap(self, model):
+        modules = dict(model.named_modules())
+        for target in self.config["target_modules"]:
+            matched = [n for n in modules if n == target or n.endswith("." + target)]
+            if not matched:
+                raise ConfigError("peft.target_modules", f"no module of {type(model).__name__} is named {target!r}",
+                                  "name Linear layers of the model, e.g. peft.target_modules=[attn.qkv,mlp.0]")
+            for name in matched:
+                if not isinstance(modules[name], ADAPTABLE) and type(modules[name]).__name__ != "Conv1D":
+                    raise ConfigError("peft.target_modules",
+                                      f"{target!r} names {name}, a {type(modules[name]).__name__}, which LoRA cannot adapt",
+                                      "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
+        try:
+            wrapped = self.peft.get_peft_model(model, self.peft.LoraConfig(**self.config))
+        except ValueError as err:  # anything peft refuses that the checks above did not catch
+            raise ConfigError("peft.target_modules", str(err).splitlines()[0],
+                              "name Linear (or Embedding/Conv) layers of the model") from None
+        trainable, total = wrapped.get_nb_trainable_parameters()
+        log.info("LoRA r=%d on %s: %s of %s parameters train (%.2f%%)", self.config["r"],
+                 ",".join(self.config["target_modules"]), f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+        return wrapped
+
+    def save(self, model, run_dir, engine=None):
+        if engine is None or engine.is_main:
+            unwrapped = engine.unwrap(model) if engine is not None else model
+            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"))  # safetensors by default
+
+
+def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:
+    """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``."""
+    return import_peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+def save_weights(model: nn.Module, path: Path) -> None:
+    """safetensors, written beside the target and renamed: never a half-written file."""
+    from safetensors.torch import save_model
+    tmp = path.with_name(path.name + ".tmp")
+    save_model(model, str(tmp))
+    os.replace(tmp, path)
+
+
+def import_peft():
+    try:
+        import peft
+    except ImportError as err:
+        raise ConfigError("peft", f"LoRA needs the peft library, which does not import ({err})",
+                          "pip install 'looplib[peft]'") from None
+    return peft
