@@ -7,6 +7,7 @@
 Heavy optional libraries (bitsandbytes, deepspeed) are imported only when chosen.
 """
 from .accumulation import Accumulation, Window
+from .checkpointing import ActivationCheckpointing, Checkpointing
 from .data import EpochSampler, Epochs, build_loader
 from .engines import Engine, Local
 from .errors import ConfigError
@@ -24,4 +25,5 @@ __all__ = [
     "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
+    "Checkpointing", "ActivationCheckpointing",
 ]

@@ -148,9 +148,15 @@ def state_tensor_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def optimizer_state_bytes(job) -> int:
-    """For a built ``train.Job``: the optimizer state its first step will allocate."""
-    return optimizer_state_bytes_of(job.optim, job.model)
+def optimizer_state_bytes(job, default: int | None = None) -> int:
+    """For a built ``train.Job``: the optimizer state its first step will allocate (``default``
+    when a third-party optimizer can neither step on meta tensors nor has a ``state_rule``)."""
+    try:
+        return optimizer_state_bytes_of(job.optim, job.model)
+    except Exception:  # noqa: BLE001
+        if default is None:
+            raise
+        return default
 
 
 # ------------------------------------------------------------------ activations (estimate)

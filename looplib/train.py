@@ -60,7 +60,7 @@ def build_job(cfg: DictConfig) -> Job:
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     job.model = engine.setup(checkpointing.apply(instantiate(cfg, "model")))
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
-        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job))
+        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
     return job
 
 
