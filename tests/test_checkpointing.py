@@ -14,7 +14,7 @@ from looplib.models import BertClassifier
 from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
 from looplib.precision import BF16, FP16, Precision
 
-from conftest import REPO, has_bitsandbytes, random_tokens, run_cli, tiny_gpt
+from conftest import has_bitsandbytes, random_tokens, run_cli, tiny_gpt
 
 BLOCKS = ActivationCheckpointing(types=["Block", "GPT2Block", "BertLayer"])
 

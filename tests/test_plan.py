@@ -202,7 +202,7 @@ def test_cli_prints_the_anatomy(tmp_path):
     with torch.device("meta"):
         model = GPT(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128)
     n = sum(p.numel() for p in model.parameters())
-    for line in (f"weights (4 bytes/param)", f"gradients", "optimizer state (SGD)"):
+    for line in ("weights (4 bytes/param)", "gradients", "optimizer state (SGD)"):
         assert any(row.strip().startswith(line) and f"{4 * n:,} B" in row for row in out.stdout.splitlines()), line
     assert "4 rank(s)" in out.stdout and "device memory (given)" in out.stdout and "recommendations:" in out.stdout
     assert not list(tmp_path.iterdir())  # no run directory
