@@ -13,6 +13,7 @@ matplotlib) are imported only when chosen; importing looplib never imports Hydra
 from .accumulation import Accumulation, Window
 from .adapters import GPT_LINEARS, FullModel, LoRA, load_lora
 from .api import Trained, train_model
+from .checkpointing import ActivationCheckpointing, Checkpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
@@ -35,4 +36,5 @@ __all__ = [
     "train_model", "Trained", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
     "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
     "GPT_LINEARS",
+    "Checkpointing", "ActivationCheckpointing",
 ]

@@ -17,7 +17,6 @@ The model is built on the meta device, so a model larger than the machine can be
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import math
 import os
@@ -148,9 +147,15 @@ def state_tensor_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def optimizer_state_bytes(job) -> int:
-    """For a built ``train.Job``: the optimizer state its first step will allocate."""
-    return optimizer_state_bytes_of(job.optim, job.model)
+def optimizer_state_bytes(job, default: int | None = None) -> int:
+    """For a built ``train.Job``: the optimizer state its first step will allocate (``default``
+    when a third-party optimizer can neither step on meta tensors nor has a ``state_rule``)."""
+    try:
+        return optimizer_state_bytes_of(job.optim, job.model)
+    except Exception:  # noqa: BLE001
+        if default is None:
+            raise
+        return default
 
 
 # ------------------------------------------------------------------ activations (estimate)

@@ -70,7 +70,7 @@ def build_job(cfg: DictConfig) -> Job:
     model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
     job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
-        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job))
+        autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
     return job
 
 

@@ -49,6 +49,8 @@ def test_resolve_recovers_and_leaves_no_trace(tmp_path, monkeypatch):
     fixed = build_job(compose_with(*FAKE, "+model.oom_above=20", "batch_size=16", "accum_steps=4",
                                    "global_batch_size=64"))
     assert torch.equal(rng, torch.random.get_rng_state())  # probing consumed no randomness
+    for a, b in zip(auto.model.parameters(), fixed.model.parameters()):
+        assert torch.equal(a, b)  # and changed no weight
 
 
 def metrics(run_dir: Path) -> list[dict]:

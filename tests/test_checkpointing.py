@@ -14,7 +14,7 @@ from looplib.models import BertClassifier
 from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
 from looplib.precision import BF16, FP16, Precision
 
-from conftest import REPO, has_bitsandbytes, random_tokens, run_cli, tiny_gpt
+from conftest import has_bitsandbytes, random_tokens, run_cli, tiny_gpt
 
 BLOCKS = ActivationCheckpointing(types=["Block", "GPT2Block", "BertLayer"])
 
@@ -111,9 +111,10 @@ OPTIMIZERS = {"adamw": lambda: lo.AdamW(lr=1e-2, weight_decay=0.1), "sgd": lambd
               "adafactor": lambda: lo.Adafactor(lr=1e-2), "adam8bit": lambda: lo.Adam8bit(lr=1e-2)}
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("optim", OPTIMIZERS)
-@pytest.mark.parametrize("precision", PRECISIONS)
+COMBINATIONS = [(p, o, 2) for p in PRECISIONS for o in OPTIMIZERS] + [("fp32", "adamw", 1)]
+
+
+@pytest.mark.parametrize("precision,optim,accum", COMBINATIONS)
 def test_composes_with_every_precision_optimizer_and_accumulation(precision, optim, accum):
     if optim == "adam8bit" and not has_bitsandbytes():
         pytest.skip("bitsandbytes is not installed")

@@ -202,7 +202,7 @@ def test_cli_prints_the_anatomy(tmp_path):
     with torch.device("meta"):
         model = GPT(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=128)
     n = sum(p.numel() for p in model.parameters())
-    for line in (f"weights (4 bytes/param)", f"gradients", "optimizer state (SGD)"):
+    for line in ("weights (4 bytes/param)", "gradients", "optimizer state (SGD)"):
         assert any(row.strip().startswith(line) and f"{4 * n:,} B" in row for row in out.stdout.splitlines()), line
     assert "4 rank(s)" in out.stdout and "device memory (given)" in out.stdout and "recommendations:" in out.stdout
     assert not list(tmp_path.iterdir())  # no run directory
@@ -218,3 +218,29 @@ def test_cli_errors(args, message, tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_against_the_allocator_peak_on_a_gpu(precision):
+    """The static part is exact; the whole plan (static + activations) should land near the CUDA
+    allocator's peak of a real step (the relative error is printed: report it)."""
+    cfg = compose_with("model=gpt2_small", "data=random", "batch_size=4", f"+precision={precision}")
+    plan = build_plan(cfg.copy(), memory=torch.cuda.get_device_properties(0).total_memory)
+    from looplib.train import build_job
+    job = build_job(cfg)
+    opt = job.optim.build(job.model)
+    batch = {"input_ids": torch.randint(0, 512, (4, 1024), device="cuda"),
+             "labels": torch.randint(0, 512, (4, 1024), device="cuda")}
+    for _ in range(2):  # the second step: optimizer state exists, as in training
+        torch.cuda.reset_peak_memory_stats()
+        with job.precision.autocast():
+            loss = job.objective(job.model, batch) / 4096
+        job.precision.backward(loss)
+        job.precision.step(opt)
+        opt.zero_grad(set_to_none=False)  # keep gradients allocated, as during the peak
+    peak = torch.cuda.max_memory_allocated()
+    planned = plan.static + plan.activations.at(4)
+    print(f"\nplan {planned / 2**20:.0f} MiB, allocator peak {peak / 2**20:.0f} MiB, error {planned / peak - 1:+.1%}")
+    assert 0.7 < planned / peak < 1.3
