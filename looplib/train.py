@@ -23,7 +23,7 @@ from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
-from .engines.launch import launched_rank, register_resolvers
+from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import TrainState, evaluate, fit
 from .telemetry import Telemetry
@@ -150,4 +150,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = strip_launcher_args(sys.argv)  # deepspeed --module looplib.train adds --local_rank=N
     main()

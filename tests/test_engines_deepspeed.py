@@ -135,3 +135,19 @@ def test_cli_stage3_run_exports_what_the_local_engine_trains(tmp_path):
                if '"loss"' in x] for d in ("ds", "local")]
     assert losses[0] == pytest.approx(losses[1], rel=LOSS_RTOL)
     assert "a sample from the trained model" in r.stdout
+
+
+def test_deepspeed_launcher_two_processes_match_one(tmp_path):
+    from looplib.engines.launch import free_port
+    common = [*QUICK, "max_steps=3", "log_every=1"]
+    r = run_cli(*common, "batch_size=4", f"hydra.run.dir={tmp_path / 'local'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # `deepspeed --num_gpus 2 --module looplib.train ...`; the launcher adds --local_rank=N
+    r = run_cli("--num_gpus", "2", "--master_port", str(free_port()), "--module", "looplib.train",
+                "+engine=deepspeed", *common, "batch_size=2", f"hydra.run.dir={tmp_path / 'ds'}",
+                cwd=tmp_path, module="deepspeed.launcher.runner")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '"train_batch_size": 4' in r.stdout                        # 2 per process x 2 processes
+    a, b = load_file(tmp_path / "ds" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0)
