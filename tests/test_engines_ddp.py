@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import dist_workers as W
-from conftest import REPO, run_cli
+from conftest import gpu, run_cli
 from looplib.engines.launch import free_port
 
 # Two ranks sum their halves of each window in a different order than one process does, and
@@ -86,3 +86,11 @@ def test_one_process_without_a_launcher_is_a_world_of_one(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "DDP: 1 processes, backend gloo" in r.stdout
     assert len([m for m in rows(tmp_path / "run" / "metrics.jsonl") if "loss" in m]) == 4
+
+
+@gpu
+def test_torchrun_on_cuda_uses_nccl(tmp_path):
+    r = torchrun("+engine=ddp", *QUICK, "batch_size=4", "device=cuda", f"hydra.run.dir={tmp_path / 'run'}",
+                 cwd=tmp_path, nproc=torch.cuda.device_count())
+    assert r.returncode == 0, r.stderr
+    assert "backend nccl" in r.stdout
