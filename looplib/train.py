@@ -24,7 +24,7 @@ from .accumulation import Accumulation
 from .build import Settings, check_settings, fill_strategy_defaults, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
-from .engines.launch import launched_rank, register_resolvers
+from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
 from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
@@ -216,4 +216,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = strip_launcher_args(sys.argv)  # deepspeed --module looplib.train adds --local_rank=N
     main()

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import dist_workers as W
-from conftest import REPO, run_cli
+from conftest import gpu, run_cli
 from looplib.engines.launch import free_port
 
 # Two ranks sum their halves of each window in a different order than one process does, and
@@ -103,3 +103,11 @@ def test_torchrun_resume_continues_exactly(tmp_path):
     full_losses = {m["step"]: m["loss"] for m in rows(full / "metrics.jsonl") if "loss" in m}
     resumed_losses = {m["step"]: m["loss"] for m in rows(resumed / "metrics.jsonl") if "loss" in m}
     assert resumed_losses == {3: full_losses[3], 4: full_losses[4]}
+
+
+@gpu
+def test_torchrun_on_cuda_uses_nccl(tmp_path):
+    r = torchrun("+engine=ddp", *QUICK, "batch_size=4", "device=cuda", f"hydra.run.dir={tmp_path / 'run'}",
+                 cwd=tmp_path, nproc=torch.cuda.device_count())
+    assert r.returncode == 0, r.stderr
+    assert "backend nccl" in r.stdout

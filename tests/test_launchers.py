@@ -1,7 +1,6 @@
 """Hydra and several processes: one run directory per run, and sweeps sent through Hydra's
 submitit launcher (composed for SLURM, run for real with its local executor)."""
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -34,6 +34,22 @@ def launched_rank() -> int:
     return 0
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra's parser refuses;
+    it sets LOCAL_RANK in the environment too, which is what looplib reads."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
