@@ -147,7 +147,7 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
     log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
              state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():  # rows past the checkpoint were computed by the run that died: drop them
+    if checkpoints.is_main and metrics.exists():  # rows past the checkpoint came from the run that died
         import json
         rows = [line for line in metrics.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= state.step]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from ..errors import ConfigError
 
@@ -168,5 +167,6 @@ def rank0_dir(path: str) -> str:
 
 
 def register_resolvers() -> None:
+    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
     if not OmegaConf.has_resolver("looplib.rank0_dir"):
         OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)
