@@ -60,13 +60,16 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     return state
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor | None:
     """Clip to ``max_norm`` (None or 0: measure only). Returns the total gradient norm as a
-    device tensor, without a host-device sync."""
+    device tensor, without a host-device sync; None where the engine holds the gradients
+    (DeepSpeed ZeRO partitions them and clips itself)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return None
     if max_norm:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, foreach=True)
 
 
 @torch.inference_mode()
