@@ -9,11 +9,11 @@ loads them back. peft is imported only when LoRA is chosen (``pip install 'loopl
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from torch import nn
 
+from .engines.local import write_safetensors
 from .errors import ConfigError
 
 log = logging.getLogger("looplib")
@@ -34,7 +34,7 @@ class FullModel:
     def save(self, model: nn.Module, run_dir: Path, engine=None) -> None:
         """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors."""
         if engine is None:
-            save_weights(model, Path(run_dir) / "model.safetensors")
+            write_safetensors(model, Path(run_dir) / "model.safetensors")
         else:
             engine.export_weights(model, Path(run_dir) / "model.safetensors")
 
@@ -81,14 +81,6 @@ class LoRA(FullModel):
 def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:
     """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``."""
     return import_peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
-
-
-def save_weights(model: nn.Module, path: Path) -> None:
-    """safetensors, written beside the target and renamed: never a half-written file."""
-    from safetensors.torch import save_model
-    tmp = path.with_name(path.name + ".tmp")
-    save_model(model, str(tmp))
-    os.replace(tmp, path)
 
 
 def import_peft():
