@@ -29,3 +29,11 @@ def test_plain_install_finds_the_packaged_config(tmp_path):
                         f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=elsewhere, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
+def test_readme_opens_with_two_commands_and_ci_runs_the_second():
+    lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()[1:6] if line.strip()]
+    install_and_run, install_and_test = lines[0], lines[1]
+    assert install_and_run.endswith("python -m looplib.train") and install_and_run.startswith("pip install")
+    assert "pytest" in install_and_test and install_and_test.startswith("pip install")
+    assert install_and_test in (REPO / ".ci" / "run").read_text().splitlines()
