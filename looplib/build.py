@@ -18,6 +18,9 @@ from .errors import ConfigError
 
 # Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
 # absent group means this option, read from the same YAML file `+group=option` would use.
+STRATEGY_DEFAULTS = {"precision": "fp32", "optim": "adamw", "schedule": "constant", "checkpointing": "none",
+                     "engine": "local"}
+STRATEGY_DEFAULTS.update({"peft": "none", "compile": "none", "evaluation": "as_trained"})
 
 
 def positive(key, v):
