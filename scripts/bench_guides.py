@@ -8,26 +8,29 @@ Trainer on the same model shape and data, next to the guides' V100 figures.
 
 Each row runs in its own process (`python -m looplib.train`, or this script's Trainer worker),
 so process-wide peaks belong to that row alone. Per row: training time (sum of step times),
-samples/s (the first step, warm-up, left out), peak memory as NVML reports it (the whole device,
-CUDA context included: the guides' figure) and as torch's allocator reports it (on a CPU: the
-process's peak RSS), and both as ratios to the vanilla row of the same run. On a GPU the guides'
-V100 ratios stand next to ours ("theirs"): absolute figures differ by device, ratios should not.
-Rows a device cannot run are listed with the reason (fp16 rows become bf16 on a CPU; tf32 and
-DeepSpeed offload rows are skipped there). Written to --out: guides_bench.md, .json, .png.
+samples/s (of the median step, the first step, warm-up, left out; the JSON has the mean too),
+peak memory as NVML reports it (the whole device, CUDA context included: the guides' figure)
+and as torch's allocator reports it (on a CPU: the process's peak RSS), and both as ratios
+to the vanilla row of the same run. On a GPU the guides' V100 ratios stand next to ours
+("theirs"): absolute figures differ by device, ratios should not. Rows a device cannot run
+are listed with the reason (fp16 rows become bf16 on a CPU; tf32 and DeepSpeed offload rows
+are skipped there). Written to --out: guides_bench.md, .json, .png.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import GPU_JOB, SMALL_JOB, chart, run_row  # noqa: E402
+from bench_memory import GPU_JOB, SMALL_JOB, chart, run_row
 
 ACCUM = ["batch_size=1", "accum_steps=4"]
 CKPT = ["+checkpointing=blocks"]
@@ -65,6 +68,7 @@ TRAINER_SKIP = {  # why a row has no Trainer twin
     "checkpointing": "Trainer's gradient_checkpointing needs a transformers model "
                      "(gradient_checkpointing_enable); the BertClassifier is plain PyTorch",
     "zero2_offload": "Trainer's DeepSpeed path needs the deepspeed launcher and its own JSON config",
+    **{row: "needs gradient checkpointing (see that row)" for row in ("fp16_all", "adafactor_all", "adam8bit_all")},
 }
 CPU_SKIP = {
     "tf32": "TF32 is a CUDA tensor-core mode: on a CPU it is the fp32 vanilla row",
@@ -138,18 +142,18 @@ def trainer_worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         trainer.train()
     per_step = args.get("per_device_train_batch_size", 8) * args.get("gradient_accumulation_steps", 1)
-    timed = times[-1] - times[0] if len(times) > 1 else times[-1] - t0
-    steps = max(1, len(times) - 1)
+    steps = [b - a for a, b in itertools.pairwise(times)] or [times[-1] - t0]  # the first step (warm-up) left out
     cuda = device.type == "cuda"
-    return {"steps": len(times), "samples_per_s": per_step * steps / timed, "train_s": times[-1] - t0,
+    return {"optim": str(trainer.args.optim), "steps": len(times), "samples_per_s": per_step / statistics.median(steps),
+            "mean_samples_per_s": per_step * len(steps) / sum(steps), "train_s": times[-1] - t0,
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "device_mem_used_mb": max(nvml, default=0) or None}
 
 
 def run_trainer_row(name: str, spec: dict) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--trainer-worker", json.dumps(spec)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run([sys.executable, __file__, "--trainer-worker", json.dumps(spec)], check=False,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
         return {"status": "failed", "reason": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
@@ -236,18 +240,23 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             result.update(status="ok", **run_row(name, result["overrides"], job, steps, device, args.out))
+            # the median step, not the mean: robust to a shared machine's stalls (the mean is kept too)
+            result["mean_samples_per_s"] = result["samples_per_s"]
+            result["samples_per_s"] = result.pop("median_samples_per_s")
         except SystemExit as failed:
             result.update(status="failed", reason=str(failed).strip().splitlines()[-1][:300])
             print(f"{label:<60} failed: {result['reason']}", flush=True)
             continue
-        result["mem_mb"] = result["device_mem_used_mb"] if gpu else result["host_peak_rss_mb"]
+        # NVML's figure on a GPU (torch's allocator peak where NVML cannot be read), peak RSS on a CPU
+        result["mem_mb"] = ((result["device_mem_used_mb"] or result["peak_mem_mb"]) if gpu
+                            else result["host_peak_rss_mb"])
         if has_trainer and name in trainer_names and args.trainer_rows != "none":
             if targs is None:
                 result["trainer"] = {"status": "skipped", "reason": TRAINER_SKIP.get(name, "not a Trainer option")}
             else:
                 t = run_trainer_row(name, {**spec, "args": targs})
                 if t["status"] == "ok":
-                    t["mem_mb"] = t["device_mem_used_mb"] if gpu else t["peak_mem_mb"]
+                    t["mem_mb"] = (t["device_mem_used_mb"] or t["peak_mem_mb"]) if gpu else t["peak_mem_mb"]
                 result["trainer"] = t
         print(f"{label:<60} {result['samples_per_s']:8.2f} samples/s  {result['mem_mb'] or 0:10,.0f} MB  "
               f"({result['wall_s']:.0f} s)", flush=True)

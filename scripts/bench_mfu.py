@@ -34,7 +34,8 @@ GPU_ROWS = {
 }
 CPU_ROWS = {
     "fp32": ("fp32, foreach AdamW, SDPA", ["+optim=adamw", "optim.impl=foreach"], torch.float32),
-    "bf16": ("bf16 autocast, foreach AdamW, SDPA", ["+precision=bf16", "+optim=adamw", "optim.impl=foreach"], torch.bfloat16),
+    "bf16": ("bf16 autocast, foreach AdamW, SDPA", ["+precision=bf16", "+optim=adamw", "optim.impl=foreach"],
+             torch.bfloat16),
     "compile": ("fp32, torch.compile", ["+optim=adamw", "optim.impl=foreach", "+compile=default"], torch.float32),
 }
 GPU_JOB = ["model=gpt2_small", "data=random", "data.vocab_size=50304", "loss=lm", "batch_size=8", "lr=3e-4"]
@@ -76,7 +77,8 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup:
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={warmup + steps}",
             f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_batches=0",
             "sample_tokens=0", "progress=lines", "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run(args, check=False, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
         raise SystemExit(f"row {name} failed:\n{' '.join(args)}\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
