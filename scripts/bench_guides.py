@@ -163,28 +163,42 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
+def add_ratios(results: list[dict], gpu: bool) -> None:
+    """Speed and memory of each row as multiples of the first (vanilla) row; on a GPU the guides'
+    V100 multiples too, to set ours against."""
+    base = results[0] if results[0]["status"] == "ok" else {}
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        r["speed_x"] = ratio(r["samples_per_s"], base.get("samples_per_s"))
+        r["mem_x"] = ratio(r["mem_mb"], base.get("mem_mb"))
+        if gpu and r["row"] in REFERENCE_V100:
+            r["theirs_samples_per_s"], r["theirs_mem_mb"] = REFERENCE_V100[r["row"]]
+            r["theirs_speed_x"] = r["theirs_samples_per_s"] / REFERENCE_V100["vanilla"][0]
+            r["theirs_mem_x"] = r["theirs_mem_mb"] / REFERENCE_V100["vanilla"][1]
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
 def markdown(results: list[dict], title: str, gpu: bool) -> str:
     mem = "NVML MB" if gpu else "peak RSS MB"
-    head = ["run", "time s", "samples/s", "speed x vanilla", "theirs x", mem, "torch peak MB" if gpu else None,
-            "memory x vanilla", "theirs x", "Trainer samples/s", "Trainer " + ("NVML MB" if gpu else "RSS MB"),
+    head = ["run", "time s", "samples/s", "speed x vanilla", "V100 x" if gpu else None, mem,
+            "torch peak MB" if gpu else None, "memory x vanilla", "V100 x" if gpu else None, "Trainer samples/s",
+            "Trainer " + ("NVML MB" if gpu else "RSS MB"),
             "looplib / Trainer speed"]
     head = [h for h in head if h]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if r["status"] != "ok":
-            cells = [r["label"], f"skipped: {r['reason']}"] + ["-"] * (len(head) - 2)
+            cells = [r["label"], f"{r['status']}: {r['reason']}"] + ["-"] * (len(head) - 2)
             lines.append("| " + " | ".join(cells) + " |")
             continue
         t = r.get("trainer") or {}
-        cells = [r["label"], f"{r['train_s']:.1f}", f"{r['samples_per_s']:.2f}", fmt(r["speed_x"]),
-                 fmt(r.get("theirs_speed_x")), fmt(r["mem_mb"], ",.0f")]
-        if gpu:
-            cells.append(fmt(r["peak_mem_mb"], ",.0f"))
-        cells += [fmt(r["mem_x"]), fmt(r.get("theirs_mem_x"))]
+        cells = [r["label"], f"{r['train_s']:.1f}", f"{r['samples_per_s']:.2f}", fmt(r["speed_x"])]
+        cells += [fmt(r.get("theirs_speed_x")), fmt(r["mem_mb"], ",.0f"), fmt(r["peak_mem_mb"], ",.0f"),
+                  fmt(r["mem_x"]), fmt(r.get("theirs_mem_x"))] if gpu else [fmt(r["mem_mb"], ",.0f"), fmt(r["mem_x"])]
         if t.get("status") == "ok":
             cells += [f"{t['samples_per_s']:.2f}", fmt(t["mem_mb"], ",.0f"), fmt(ratio(r["samples_per_s"],
                                                                                     t["samples_per_s"]))]
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         "128 steps of 4 sequences, on the GPU; 6 with --small)")
     parser.add_argument("--device", default=None, help="default: cpu with --small, cuda otherwise")
     parser.add_argument("--out", type=Path, default=Path("bench_guides"))
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per row (OMP_NUM_THREADS; default "
+                        "1 with --small: a shared machine's oversubscribed cores stall multi-threaded steps)")
     parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trainer_worker:
@@ -217,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
     device = args.device or ("cpu" if args.small else "cuda")
     gpu = device.startswith("cuda")
+    threads = args.threads or (None if gpu else 1)
+    if threads:  # inherited by every row's process
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     half = "fp16" if gpu else "bf16"
     steps = args.steps or (6 if args.small else 128)
     job = SMALL_JOB + [f"data.n_train={4 * steps}"] if args.small else GPU_JOB
@@ -260,18 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["trainer"] = t
         print(f"{label:<60} {result['samples_per_s']:8.2f} samples/s  {result['mem_mb'] or 0:10,.0f} MB  "
               f"({result['wall_s']:.0f} s)", flush=True)
-    base = results[0] if results[0]["status"] == "ok" else {}
-    for r in results:
-        if r["status"] != "ok":
-            continue
-        r["speed_x"] = ratio(r["samples_per_s"], base.get("samples_per_s"))
-        r["mem_x"] = ratio(r["mem_mb"], base.get("mem_mb"))
-        if gpu and r["row"] in REFERENCE_V100:  # the guides' ratios, to set ours against
-            r["theirs_samples_per_s"], r["theirs_mem_mb"] = REFERENCE_V100[r["row"]]
-            r["theirs_speed_x"] = r["theirs_samples_per_s"] / REFERENCE_V100["vanilla"][0]
-            r["theirs_mem_x"] = r["theirs_mem_mb"] / REFERENCE_V100["vanilla"][1]
+    add_ratios(results, gpu)
     model = "bert_tiny" if args.small else "bert_large"
-    title = f"{model}, {device}, {steps} steps per row" + ("" if gpu else " (memory: peak RSS of the process)")
+    title = f"{model}, {device}, {steps} steps per row" + ("" if gpu else f", {threads} thread(s), memory: peak RSS")
     table = markdown(results, title, gpu)
     (args.out / "guides_bench.md").write_text(table)
     (args.out / "guides_bench.json").write_text(json.dumps(

@@ -17,7 +17,7 @@ def test_guides_small_mode_writes_table_json_and_chart(tmp_path):
                 "--trainer-rows", "vanilla,checkpointing", "--out", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "guides_bench.md").read_text().splitlines()
-    assert table[0].startswith("### bert_tiny, cpu, 2 steps per row")
+    assert table[0].startswith("### bert_tiny, cpu, 2 steps per row, 1 thread(s)")
     head = table[2].strip("| ").split(" | ")
     assert head[:3] == ["run", "time s", "samples/s"] and "Trainer samples/s" in head
     rows = [line.strip("| ").split(" | ") for line in table[4:]]
@@ -67,3 +67,29 @@ def test_mfu_gpu_eager_row(tmp_path):
     assert out.returncode == 0, out.stderr
     (row,) = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
     assert row["peak_dtype"] == "bfloat16" and 0 < row["mfu"] < 1
+
+
+def test_guides_gpu_table_sets_ours_against_the_v100_ratios():
+    """The GPU layout (no GPU needed): NVML and torch columns, our multiples of vanilla next to the guides'."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_guides
+
+    def row(name, sps, nvml, torch_mb, trainer=None):
+        return {"row": name, "label": name, "status": "ok", "train_s": 60.0, "samples_per_s": sps,
+                "mem_mb": nvml, "peak_mem_mb": torch_mb, **({"trainer": trainer} if trainer else {})}
+
+    results = [row("vanilla", 20.0, 16000, 12000, {"status": "ok", "samples_per_s": 10.0, "mem_mb": 17000}),
+               row("fp16", 40.0, 12000, 9000, {"status": "failed", "reason": "boom"}),
+               {"row": "zero2_offload", "label": "zero", "status": "failed", "reason": "no deepspeed"}]
+    bench_guides.add_ratios(results, gpu=True)
+    assert results[1]["speed_x"] == 2.0 and results[1]["mem_x"] == 0.75
+    assert results[1]["theirs_speed_x"] == 18.64 / 8.86 and results[1]["theirs_mem_x"] == 13939 / 14949
+    lines = bench_guides.markdown(results, "t", gpu=True).splitlines()
+    head = lines[2].strip("| ").split(" | ")
+    assert head[:10] == ["run", "time s", "samples/s", "speed x vanilla", "V100 x", "NVML MB", "torch peak MB",
+                         "memory x vanilla", "V100 x", "Trainer samples/s"]
+    cells = [line.strip("| ").split(" | ") for line in lines[4:]]
+    assert all(len(c) == len(head) for c in cells)
+    assert cells[0][-1] == "2.00" and cells[1][-3] == "n/a: boom"
+    assert cells[1][3:9] == ["2.00", "2.10", "12,000", "9,000", "0.75", "0.93"]
+    assert cells[2][1] == "failed: no deepspeed"
