@@ -108,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out (default 10: compilation)")
     parser.add_argument("--device", default=None, help="default: cpu with --small, cuda otherwise")
     parser.add_argument("--out", type=Path, default=Path("bench_mfu"))
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for the peak and every row "
+                        "(default 1 with --small: steadier on a shared machine)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.small else "cuda"))
     table = CPU_ROWS if device.type == "cpu" else GPU_ROWS
+    threads = args.threads or (1 if device.type == "cpu" else None)
+    if threads:  # the same threads for the measured peak and for each row's process
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     names = [n for n in (args.rows or ",".join(table)).split(",") if n]
     unknown = set(names) - set(table)
     if unknown:
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update(label=label, peak_tflops=peaks[dtype], peak_dtype=str(dtype).removeprefix("torch."))
         results.append(row)
         print(f"{label:<45} {row['tokens_per_s']:12,.0f} tokens/s  MFU {100 * row['mfu']:.1f}%", flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {threads} thread(s)"
     model = "tiny GPT (4 layers, 128 wide, sequence 128)" if args.small else "GPT-2 small (124M), sequence 1024"
     title = f"{model}, batch 8, {name}, median of {steps} steps after {warmup} warm-up"
     text = markdown(results, title) if results else f"### {title}\n\nno rows ran\n"
