@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     half = "fp16" if gpu else "bf16"
     steps = args.steps or (6 if args.small else 128)
     job = SMALL_JOB + [f"data.n_train={4 * steps}"] if args.small else GPU_JOB
+    job = [*job, "checkpoint.every_steps=0"]  # no save mid-row (the final one is deleted after the row)
     try:
         import transformers  # noqa: F401
         has_trainer = True
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             result.update(status="failed", reason=str(failed).strip().splitlines()[-1][:300])
             print(f"{label:<60} failed: {result['reason']}", flush=True)
             continue
+        finally:  # bert_large's final checkpoint is GBs: fourteen rows would fill a disk
+            shutil.rmtree(args.out / "runs" / name / "checkpoints", ignore_errors=True)
         # NVML's figure on a GPU (torch's allocator peak where NVML cannot be read), peak RSS on a CPU
         result["mem_mb"] = ((result["device_mem_used_mb"] or result["peak_mem_mb"]) if gpu
                             else result["host_peak_rss_mb"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup:
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
         raise SystemExit(f"row {name} failed:\n{' '.join(args)}\n{done.stderr[-2000:]}")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # GPT-2 small's is over a GB
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "loss" in r][warmup:]
     return {"row": name, "overrides": overrides, "steps": len(timed),

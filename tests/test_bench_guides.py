@@ -38,6 +38,9 @@ def test_guides_small_mode_writes_table_json_and_chart(tmp_path):
     assert v["trainer"]["status"] == "ok" and v["trainer"]["steps"] == 2 and v["trainer"]["peak_mem_mb"] > 0
     assert "+checkpointing=blocks" in c["overrides"] and c["speed_x"] > 0 and c["mem_x"] > 0
     assert (tmp_path / "guides_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each row's run directory keeps its metrics but not its (on a GPU, GBs large) final checkpoint
+    assert (tmp_path / "runs" / "vanilla" / "metrics.jsonl").exists()
+    assert not (tmp_path / "runs" / "vanilla" / "checkpoints").exists()
 
 
 def test_guides_rejects_an_unknown_row(tmp_path):
