@@ -145,7 +145,9 @@ def trainer_worker(spec: dict) -> dict:
     per_step = args.get("per_device_train_batch_size", 8) * args.get("gradient_accumulation_steps", 1)
     steps = [b - a for a, b in itertools.pairwise(times)] or [times[-1] - t0]  # the first step (warm-up) left out
     cuda = device.type == "cuda"
-    return {"optim": str(trainer.args.optim), "steps": len(times), "samples_per_s": per_step / statistics.median(steps),
+    optim = trainer.args.optim
+    return {"optim": str(getattr(optim, "value", optim)), "steps": len(times),
+            "samples_per_s": per_step / statistics.median(steps),
             "mean_samples_per_s": per_step * len(steps) / sum(steps), "train_s": times[-1] - t0,
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
