@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from ..errors import ConfigError
 
@@ -152,5 +151,7 @@ def rank0_dir(path: str) -> str:
 
 
 def register_resolvers() -> None:
+    from omegaconf import OmegaConf  # here, not at the top: `import looplib` must not import Hydra's stack
+
     if not OmegaConf.has_resolver("looplib.rank0_dir"):
         OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)
