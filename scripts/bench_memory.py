@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -57,7 +58,9 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, device:
             "peak_mem_mb": max(r["peak_mem_mb"] for r in train),
             "device_mem_used_mb": max((r.get("device_mem_used_mb", 0) for r in train), default=0) or None,
             "host_peak_rss_mb": max(r["host_peak_rss_mb"] for r in train),
-            "final_loss": train[-1]["loss"], "wall_s": time.perf_counter() - t0}
+            "final_loss": train[-1]["loss"], "wall_s": time.perf_counter() - t0,
+            "train_s": sum(r["step_time_s"] for r in train),
+            "median_samples_per_s": statistics.median(r["samples_per_s"] for r in timed)}
 
 
 def planned_mb(job: list[str], overrides: list[str], device: str) -> float:

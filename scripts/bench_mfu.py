@@ -1,0 +1,161 @@
+"""Model FLOPs utilisation: a GPT-2-small-sized run against the device's measured matmul peak.
+
+    python scripts/bench_mfu.py                  # GPU: gpt2_small, sequence 1024, bf16, fused AdamW, SDPA,
+                                                 #      eager and +compile=default; peak = a large bf16 matmul loop
+    python scripts/bench_mfu.py --small          # CPU: the tiny GPT, fp32 (and bf16 where the CPU has it)
+    python scripts/bench_mfu.py --small --rows fp32 --steps 3 --out results/
+
+First the peak: the best of a few timed loops of square matmuls in the row's dtype (8192 wide
+on a GPU, 1024 on a CPU), 2 n^3 FLOPs each. Then each row is one `python -m looplib.train`
+process given that peak (`peak_tflops=`), so its metrics.jsonl carries tokens/s, TFLOP/s and
+MFU (model FLOPs: 6 x parameters in matmuls per token plus attention, no recomputation). The
+figures are medians over the steps after warm-up (and compilation). MFU against the measured
+peak is what this model could reach on this device; against the datasheet it would be lower.
+Written to --out: mfu_bench.md and mfu_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# name: (label, overrides, dtype of the matmul peak it is measured against)
+GPU_ROWS = {
+    "eager": ("bf16, fused AdamW, SDPA", ["+precision=bf16", "+optim=adamw", "optim.impl=fused"], torch.bfloat16),
+    "compile": ("bf16, fused AdamW, SDPA, torch.compile", ["+precision=bf16", "+optim=adamw", "optim.impl=fused",
+                                                           "+compile=default"], torch.bfloat16),
+}
+CPU_ROWS = {
+    "fp32": ("fp32, foreach AdamW, SDPA", ["+optim=adamw", "optim.impl=foreach"], torch.float32),
+    "bf16": ("bf16 autocast, foreach AdamW, SDPA", ["+precision=bf16", "+optim=adamw", "optim.impl=foreach"],
+             torch.bfloat16),
+    "compile": ("fp32, torch.compile", ["+optim=adamw", "optim.impl=foreach", "+compile=default"], torch.float32),
+}
+GPU_JOB = ["model=gpt2_small", "data=random", "data.vocab_size=50304", "loss=lm", "batch_size=8", "lr=3e-4"]
+SMALL_JOB = ["model=tiny", "data=random", "loss=lm", "batch_size=8", "lr=1e-3"]
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, n: int, seconds: float = 1.0) -> float:
+    """Measured dense matmul FLOP/s: the best of 3 timed loops of (n x n) @ (n x n)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = 0.0
+    for _ in range(3):
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            a @ b
+            count += 1
+            if device.type == "cuda" and count % 10:
+                continue
+            sync()
+        sync()
+        best = max(best, 2 * n**3 * count / (time.perf_counter() - t0))
+    return best
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 matmuls in hardware (AVX512-BF16 or AMX); without them CPU bf16 is emulated and slow."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup: int, device: str,
+            peak_tflops: float, out: Path) -> dict:
+    run_dir = out / "runs" / name
+    args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={warmup + steps}",
+            f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_batches=0",
+            "sample_tokens=0", "progress=lines", "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(args, check=False, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode != 0:
+        raise SystemExit(f"row {name} failed:\n{' '.join(args)}\n{done.stderr[-2000:]}")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # GPT-2 small's is over a GB
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "loss" in r][warmup:]
+    return {"row": name, "overrides": overrides, "steps": len(timed),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "tflops": statistics.median(r["tflops"] for r in timed),
+            "mfu": statistics.median(r["mfu"] for r in timed),
+            "peak_mem_mb": max(r["peak_mem_mb"] for r in timed)}
+
+
+def markdown(results: list[dict], title: str) -> str:
+    lines = [f"### {title}", "", "| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / results[0]['tokens_per_s']:.2f}"
+                     f" | {r['tflops']:.3g} | {r['peak_tflops']:.3g} | {100 * r['mfu']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="the CPU version: the tiny GPT, a few steps")
+    parser.add_argument("--rows", default=None, help=f"comma-separated subset (GPU: {','.join(GPU_ROWS)}; "
+                        f"--small: {','.join(CPU_ROWS)})")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 30; 5 with --small)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out (default 10: compilation)")
+    parser.add_argument("--device", default=None, help="default: cpu with --small, cuda otherwise")
+    parser.add_argument("--out", type=Path, default=Path("bench_mfu"))
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for the peak and every row "
+                        "(default 1 with --small: steadier on a shared machine)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cpu" if args.small else "cuda"))
+    table = CPU_ROWS if device.type == "cpu" else GPU_ROWS
+    threads = args.threads or (1 if device.type == "cpu" else None)
+    if threads:  # the same threads for the measured peak and for each row's process
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    names = [n for n in (args.rows or ",".join(table)).split(",") if n]
+    unknown = set(names) - set(table)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {','.join(table)}")
+    skipped = {}
+    if device.type == "cpu" and "bf16" in names and not cpu_has_bf16() and args.rows is None:
+        names.remove("bf16")
+        skipped["bf16"] = "this CPU has no bf16 matmul instructions (avx512_bf16/amx_bf16): emulated, not a peak"
+    steps = args.steps or (5 if args.small else 30)
+    warmup = args.warmup if args.warmup is not None else (2 if args.small else 10)
+    job = SMALL_JOB if args.small else GPU_JOB
+    n = 1024 if device.type == "cpu" else 8192
+    args.out.mkdir(parents=True, exist_ok=True)
+    peaks, results = {}, []
+    for name in names:
+        label, overrides, dtype = table[name]
+        if dtype not in peaks:
+            peaks[dtype] = matmul_peak(dtype, device, n) / 1e12
+            print(f"measured {dtype} matmul peak ({n} wide): {peaks[dtype]:.3g} TFLOP/s", flush=True)
+        row = run_row(name, overrides, job, steps, warmup, device.type, peaks[dtype], args.out)
+        row.update(label=label, peak_tflops=peaks[dtype], peak_dtype=str(dtype).removeprefix("torch."))
+        results.append(row)
+        print(f"{label:<45} {row['tokens_per_s']:12,.0f} tokens/s  MFU {100 * row['mfu']:.1f}%", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {threads} thread(s)"
+    model = "tiny GPT (4 layers, 128 wide, sequence 128)" if args.small else "GPT-2 small (124M), sequence 1024"
+    title = f"{model}, batch 8, {name}, median of {steps} steps after {warmup} warm-up"
+    text = markdown(results, title) if results else f"### {title}\n\nno rows ran\n"
+    for row, why in skipped.items():
+        text += f"\n{row}: skipped, {why}\n"
+    (args.out / "mfu_bench.md").write_text(text)
+    (args.out / "mfu_bench.json").write_text(json.dumps({"title": title, "device": str(device), "job": job,
+                                                         "matmul_n": n, "skipped": skipped, "rows": results},
+                                                        indent=2))
+    print("\n" + text)
+    print(f"written: {args.out}/mfu_bench.md, .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

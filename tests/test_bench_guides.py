@@ -1,0 +1,98 @@
+"""The guides' benchmark and the MFU benchmark, each in its smallest CPU mode, write well-formed
+output (not their numbers): every requested row present, skipped rows say why, ratios to vanilla."""
+import json
+import subprocess
+import sys
+
+from conftest import REPO, gpu
+
+
+def bench(script, *args, cwd):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], check=False, capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
+
+
+def test_guides_small_mode_writes_table_json_and_chart(tmp_path):
+    out = bench("bench_guides.py", "--small", "--rows", "checkpointing,tf32", "--steps", "2",
+                "--trainer-rows", "vanilla,checkpointing", "--out", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    table = (tmp_path / "guides_bench.md").read_text().splitlines()
+    assert table[0].startswith("### bert_tiny, cpu, 2 steps per row, 1 thread(s)")
+    head = table[2].strip("| ").split(" | ")
+    assert head[:3] == ["run", "time s", "samples/s"] and "Trainer samples/s" in head
+    rows = [line.strip("| ").split(" | ") for line in table[4:]]
+    assert all(len(r) == len(head) for r in rows)
+    # vanilla is added first (every ratio is to it); tf32 cannot run on a CPU and says so
+    assert [r[0] for r in rows] == ["batch 4", "+ activation checkpointing", "batch 4, tf32"]
+    vanilla, ckpt, tf32 = rows
+    assert vanilla[3] == "1.00" and vanilla[head.index("memory x vanilla")] == "1.00"
+    assert float(vanilla[head.index("Trainer samples/s")]) > 0
+    assert ckpt[head.index("Trainer samples/s")].startswith("n/a: Trainer's gradient_checkpointing")
+    assert tf32[1].startswith("skipped: TF32")
+    data = json.loads((tmp_path / "guides_bench.json").read_text())
+    assert [(r["row"], r["status"]) for r in data["rows"]] == [("vanilla", "ok"), ("checkpointing", "ok"),
+                                                                ("tf32", "skipped")]
+    assert data["reference_v100"]["vanilla"] == [8.86, 14949]
+    v, c = data["rows"][:2]
+    assert v["steps"] == c["steps"] == 2 and v["train_s"] > 0 and c["samples_per_s"] > 0
+    assert v["trainer"]["status"] == "ok" and v["trainer"]["steps"] == 2 and v["trainer"]["peak_mem_mb"] > 0
+    assert "+checkpointing=blocks" in c["overrides"] and c["speed_x"] > 0 and c["mem_x"] > 0
+    assert (tmp_path / "guides_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each row's run directory keeps its metrics but not its (on a GPU, GBs large) final checkpoint
+    assert (tmp_path / "runs" / "vanilla" / "metrics.jsonl").exists()
+    assert not (tmp_path / "runs" / "vanilla" / "checkpoints").exists()
+
+
+def test_guides_rejects_an_unknown_row(tmp_path):
+    out = bench("bench_guides.py", "--small", "--rows", "vanilla,nope", "--out", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 2 and "unknown rows ['nope']" in out.stderr
+
+
+def test_mfu_small_mode_writes_table_and_json(tmp_path):
+    out = bench("bench_mfu.py", "--small", "--rows", "fp32", "--steps", "2", "--warmup", "1", "--out",
+                str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    table = (tmp_path / "mfu_bench.md").read_text().splitlines()
+    assert table[0].startswith("### tiny GPT") and "CPU" in table[0]
+    assert table[2] == "| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |"
+    assert table[4].startswith("| fp32, foreach AdamW, SDPA |") and table[4].endswith("% |")
+    (row,) = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
+    assert row["steps"] == 2 and row["peak_dtype"] == "float32"
+    assert row["tokens_per_s"] > 0 and row["peak_tflops"] > 0
+    # MFU is the model's FLOP rate over the measured peak the run was given
+    assert abs(row["mfu"] - row["tflops"] / row["peak_tflops"]) < 0.05 * row["mfu"]
+
+
+@gpu
+def test_mfu_gpu_eager_row(tmp_path):
+    out = bench("bench_mfu.py", "--rows", "eager", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
+                cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
+    assert row["peak_dtype"] == "bfloat16" and 0 < row["mfu"] < 1
+
+
+def test_guides_gpu_table_sets_ours_against_the_v100_ratios():
+    """The GPU layout (no GPU needed): NVML and torch columns, our multiples of vanilla next to the guides'."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_guides
+
+    def row(name, sps, nvml, torch_mb, trainer=None):
+        return {"row": name, "label": name, "status": "ok", "train_s": 60.0, "samples_per_s": sps,
+                "mem_mb": nvml, "peak_mem_mb": torch_mb, **({"trainer": trainer} if trainer else {})}
+
+    results = [row("vanilla", 20.0, 16000, 12000, {"status": "ok", "samples_per_s": 10.0, "mem_mb": 17000}),
+               row("fp16", 40.0, 12000, 9000, {"status": "failed", "reason": "boom"}),
+               {"row": "zero2_offload", "label": "zero", "status": "failed", "reason": "no deepspeed"}]
+    bench_guides.add_ratios(results, gpu=True)
+    assert results[1]["speed_x"] == 2.0 and results[1]["mem_x"] == 0.75
+    assert results[1]["theirs_speed_x"] == 18.64 / 8.86 and results[1]["theirs_mem_x"] == 13939 / 14949
+    lines = bench_guides.markdown(results, "t", gpu=True).splitlines()
+    head = lines[2].strip("| ").split(" | ")
+    assert head[:10] == ["run", "time s", "samples/s", "speed x vanilla", "V100 x", "NVML MB", "torch peak MB",
+                         "memory x vanilla", "V100 x", "Trainer samples/s"]
+    cells = [line.strip("| ").split(" | ") for line in lines[4:]]
+    assert all(len(c) == len(head) for c in cells)
+    assert cells[0][-1] == "2.00" and cells[1][-3] == "n/a: boom"
+    assert cells[1][3:9] == ["2.00", "2.10", "12,000", "9,000", "0.75", "0.93"]
+    assert cells[2][1] == "failed: no deepspeed"
