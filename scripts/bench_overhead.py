@@ -8,7 +8,8 @@ Each run is its own process (so the CPU's peak RSS is that run's alone), and run
 loops alternate (plain, looplib, looplib, plain, ...) so that drift in machine speed hits both.
 A run times `--steps` optimizer steps after `--warmup` steps, with one device sync at each end;
 both loops read the loss from the device every `--log-every` steps, as looplib's telemetry does.
-Reported: the ratio of the median time per step (target: within 1%), the ratio of peak memory
+Where Hugging Face Accelerate is installed, the same training written the Accelerate way runs
+too. Reported: the ratio of the median time per step (target: within 1%), the ratio of peak memory
 (target: no more), and on CUDA the host-device syncs counted on non-logging steps
 (`torch.cuda.set_sync_debug_mode`, target zero). Output: a markdown table and a JSON file.
 """
@@ -77,6 +78,43 @@ def plain_loop(args) -> dict:
             total.item()
     stamps.append(clock(torch, device))
     return {"s_per_step": (stamps[1] - stamps[0]) / args.steps, "syncs": syncs, **memory(torch, device)}
+
+
+def accelerate_loop(args) -> dict:
+    """The same training written the way Hugging Face Accelerate's documentation writes it."""
+    torch, model, loader, optimizer, device = setup(args)
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    accelerator = Accelerator(mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(args.precision, "no"),
+                              gradient_accumulation_steps=args.accum, cpu=device.type == "cpu")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = iter(loader)
+    stamps = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            stamps.append(clock(torch, device))
+        total = torch.zeros((), device=device)
+        for _ in range(args.accum):
+            batch = next(batches)
+            with accelerator.accumulate(model):
+                logits = model(batch["input_ids"])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            total += loss.detach()
+        if (step + 1) % args.log_every == 0:
+            total.item()
+    stamps.append(clock(torch, device))
+    return {"s_per_step": (stamps[1] - stamps[0]) / args.steps, "syncs": None, **memory(torch, device)}
+
+
+def peers() -> list[str]:
+    """Peer frameworks measured too, where installed."""
+    import importlib.util
+    return [name for name in ("accelerate",) if importlib.util.find_spec(name) is not None]
 
 
 def looplib_loop(args) -> dict:
@@ -163,19 +201,21 @@ def main() -> int:
                    help="precision.skip_nonfinite=false: no per-step sync for the inf/NaN check")
     p.add_argument("--out", default="bench_overhead")
     p.add_argument("--smoke", action="store_true", help="one small pair: checks the script, not the numbers")
-    p.add_argument("--worker", choices=["plain", "looplib"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["plain", "looplib", "accelerate"], help=argparse.SUPPRESS)
     p.add_argument("--model", default="tiny", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps((plain_loop if args.worker == "plain" else looplib_loop)(args)))
+        loops = {"plain": plain_loop, "looplib": looplib_loop, "accelerate": accelerate_loop}
+        print(json.dumps(loops[args.worker](args)))
         return 0
     if args.smoke:
         args.models, args.pairs, args.steps, args.warmup = "smoke", 1, 4, 1
     results = {}
     for model in args.models.split(","):
-        runs = {"plain": [], "looplib": []}
+        loops = ["plain", "looplib", *peers()]
+        runs = {name: [] for name in loops}
         for i in range(args.pairs):
-            order = ["plain", "looplib"] if i % 2 == 0 else ["looplib", "plain"]
+            order = loops if i % 2 == 0 else loops[::-1]
             for which in order:
                 out = subprocess.run(worker_cmd(args, which, model), capture_output=True, text=True, check=True)
                 runs[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -189,6 +229,7 @@ def summarise(runs: dict) -> dict:
     peak = {k: max(r.get("peak_cuda_mb", r["peak_rss_mb"]) for r in v) for k, v in runs.items()}
     return {"median_s_per_step": med, "peak_mb": peak, "time_ratio": med["looplib"] / med["plain"],
             "memory_ratio": peak["looplib"] / peak["plain"], "looplib_syncs": runs["looplib"][0]["syncs"],
+            "ratios": {k: {"time": med[k] / med["plain"], "memory": peak[k] / peak["plain"]} for k in med},
             "runs": runs}
 
 
@@ -202,12 +243,13 @@ def write(results: dict, args) -> None:
     (out / "overhead.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [f"Overhead vs a hand-written loop ({args.device}, {args.precision}, {meta['date']}; "
              f"`{meta['command']}`)", "",
-             "| model | plain s/step | looplib s/step | time ratio | plain peak MB | looplib peak MB | memory ratio |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | loop | s/step | time x plain | peak MB | memory x plain |",
+             "|---|---|---|---|---|---|"]
     for model, r in results.items():
-        m, pk = r["median_s_per_step"], r["peak_mb"]
-        lines.append(f"| {model} | {m['plain']:.4f} | {m['looplib']:.4f} | {r['time_ratio']:.3f} | "
-                     f"{pk['plain']:.0f} | {pk['looplib']:.0f} | {r['memory_ratio']:.3f} |")
+        for loop, m in r["median_s_per_step"].items():
+            ratio = r["ratios"][loop]
+            lines.append(f"| {model} | {loop} | {m:.4f} | {ratio['time']:.3f} | {r['peak_mb'][loop]:.0f} | "
+                         f"{ratio['memory']:.3f} |")
     (out / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

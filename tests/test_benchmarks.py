@@ -1,4 +1,5 @@
 """Each benchmark script runs in its smallest mode and writes well-formed output (not its numbers)."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,8 +14,10 @@ def test_overhead_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "overhead.json").read_text())
     smoke = data["results"]["smoke"]
-    assert set(smoke["median_s_per_step"]) == {"plain", "looplib"}
-    assert smoke["time_ratio"] > 0 and smoke["memory_ratio"] > 0
+    loops = {"plain", "looplib"} | ({"accelerate"} if importlib.util.find_spec("accelerate") else set())
+    assert set(smoke["median_s_per_step"]) == loops == set(smoke["ratios"])
+    assert smoke["time_ratio"] > 0 and smoke["memory_ratio"] > 0 and smoke["ratios"]["plain"]["time"] == 1.0
     assert data["meta"]["device"] == "cpu" and "bench_overhead.py" in data["meta"]["command"]
     table = (out / "overhead.md").read_text().splitlines()
-    assert table[2].startswith("| model |") and table[4].startswith("| smoke |")
+    assert table[2].startswith("| model | loop |")
+    assert sorted(line.split("|")[2].strip() for line in table[4:]) == sorted(loops)
