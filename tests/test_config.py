@@ -1,6 +1,5 @@
 """Every file under conf/ composes and builds; the packaged config is what the repo holds."""
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file

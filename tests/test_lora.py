@@ -1,7 +1,6 @@
 """+peft=lora: only adapter weights train, the optimizer holds only them, and the saved
 adapter (safetensors) loads into a fresh model with identical outputs."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
