@@ -101,6 +101,10 @@ def check_settings(cfg: DictConfig) -> Settings:
 
 
 def check_checkpoint(cfg: DictConfig) -> None:
+    enabled = cfg.get("checkpoint", {}).get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError("checkpoint.enabled", f"checkpoint.enabled={enabled!r} must be true or false",
+                          "e.g. checkpoint.enabled=false")
     for key, least in (("every_steps", 0), ("keep", 1)):
         value = cfg.get("checkpoint", {}).get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -89,7 +89,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
-    checkpoints = Checkpoints(run_dir / "checkpoints", ckpt.every_steps, ckpt.keep, s.max_bad_steps,
+    checkpoints = Checkpoints(run_dir / "checkpoints" if ckpt.get("enabled", True) else None, ckpt.every_steps, ckpt.keep, s.max_bad_steps,
                               config_yaml, engine.is_main, engine)
     with Preemption() as preemption:
         checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
@@ -114,6 +114,10 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
                 eval_data=eval_batches, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)
+            if state.preempted and checkpoints.root is None:
+                log.warning("preempted (signal %s) at step %d: checkpoint.enabled=false, so nothing was saved; "
+                            "exit %d", preemption.signum, state.step, EXIT_PREEMPTED)
+                return state
             if state.preempted:
                 log.warning("preempted (signal %s) at step %d: checkpoint saved; exit %d. Continue with: "
                             "python -m looplib.train ... resume=auto hydra.run.dir=%s",

@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import GPU_JOB, SMALL_JOB, chart, run_row
+from bench_memory import GPU_JOB, SMALL_JOB, chart, planned_mb, run_row
 
 ACCUM = ["batch_size=1", "accum_steps=4"]
 CKPT = ["+checkpointing=blocks"]
@@ -162,6 +161,11 @@ def run_trainer_row(name: str, spec: dict) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
+def torch_device_name(device: str) -> str:
+    import torch
+    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else device
+
+
 def ratio(a, b):
     return a / b if a and b else None
 
@@ -188,7 +192,8 @@ def fmt(x, spec=".2f"):
 def markdown(results: list[dict], title: str, gpu: bool) -> str:
     mem = "NVML MB" if gpu else "peak RSS MB"
     head = ["run", "time s", "samples/s", "speed x vanilla", "V100 x" if gpu else None, mem,
-            "torch peak MB" if gpu else None, "memory x vanilla", "V100 x" if gpu else None, "Trainer samples/s",
+            "torch peak MB" if gpu else None,
+            "planned MB" if gpu else None, "memory x vanilla", "V100 x" if gpu else None, "Trainer samples/s",
             "Trainer " + ("NVML MB" if gpu else "RSS MB"),
             "looplib / Trainer speed"]
     head = [h for h in head if h]
@@ -201,7 +206,7 @@ def markdown(results: list[dict], title: str, gpu: bool) -> str:
         t = r.get("trainer") or {}
         cells = [r["label"], f"{r['train_s']:.1f}", f"{r['samples_per_s']:.2f}", fmt(r["speed_x"])]
         cells += [fmt(r.get("theirs_speed_x")), fmt(r["mem_mb"], ",.0f"), fmt(r["peak_mem_mb"], ",.0f"),
-                  fmt(r["mem_x"]), fmt(r.get("theirs_mem_x"))] if gpu else [fmt(r["mem_mb"], ",.0f"), fmt(r["mem_x"])]
+                  fmt(r.get("planned_mb"), ",.0f"), fmt(r["mem_x"]), fmt(r.get("theirs_mem_x"))] if gpu else [fmt(r["mem_mb"], ",.0f"), fmt(r["mem_x"])]
         if t.get("status") == "ok":
             cells += [f"{t['samples_per_s']:.2f}", fmt(t["mem_mb"], ",.0f"), fmt(ratio(r["samples_per_s"],
                                                                                     t["samples_per_s"]))]
@@ -242,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     half = "fp16" if gpu else "bf16"
     steps = args.steps or (6 if args.small else 128)
     job = SMALL_JOB + [f"data.n_train={4 * steps}"] if args.small else GPU_JOB
-    job = [*job, "checkpoint.every_steps=0"]  # no save mid-row (the final one is deleted after the row)
     try:
         import transformers  # noqa: F401
         has_trainer = True
@@ -251,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer_names = (args.trainer_rows or (",".join(ROWS) if gpu else SMALL_TRAINER_ROWS)).split(",")
     spec = {**shape(job), "device": device, "half": half, "steps": steps}
     args.out.mkdir(parents=True, exist_ok=True)
+    model = "bert_tiny" if args.small else "bert_large"
+    title = (f"{model}, {torch_device_name(device)}, {steps} steps per row" if gpu else
+             f"{model}, {device}, {steps} steps per row, {threads} thread(s), memory: peak RSS")
     results = []
     for name in names:
         label, overrides, targs = ROWS[name]
@@ -269,9 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as failed:
             result.update(status="failed", reason=str(failed).strip().splitlines()[-1][:300])
             print(f"{label:<60} failed: {result['reason']}", flush=True)
+            write(results, args.out, title, job, steps, device, gpu, png=False)
             continue
-        finally:  # bert_large's final checkpoint is GBs: fourteen rows would fill a disk
-            shutil.rmtree(args.out / "runs" / name / "checkpoints", ignore_errors=True)
         # NVML's figure on a GPU (torch's allocator peak where NVML cannot be read), peak RSS on a CPU
         result["mem_mb"] = ((result["device_mem_used_mb"] or result["peak_mem_mb"]) if gpu
                             else result["host_peak_rss_mb"])
@@ -283,22 +289,33 @@ def main(argv: list[str] | None = None) -> int:
                 if t["status"] == "ok":
                     t["mem_mb"] = (t["device_mem_used_mb"] or t["peak_mem_mb"]) if gpu else t["peak_mem_mb"]
                 result["trainer"] = t
+        if gpu and "+engine=deepspeed" not in result["overrides"]:  # the planner's error against torch's peak
+            try:
+                result["planned_mb"] = planned_mb(job, result["overrides"], device)
+                result["plan_error"] = result["planned_mb"] / result["peak_mem_mb"] - 1
+            except Exception as error:  # the plan is a side figure: never lose a measured row to it
+                result["plan_failed"] = str(error)[:200]
+        write(results, args.out, title, job, steps, device, gpu, png=False)
         print(f"{label:<60} {result['samples_per_s']:8.2f} samples/s  {result['mem_mb'] or 0:10,.0f} MB  "
               f"({result['wall_s']:.0f} s)", flush=True)
-    add_ratios(results, gpu)
-    model = "bert_tiny" if args.small else "bert_large"
-    title = f"{model}, {device}, {steps} steps per row" + ("" if gpu else f", {threads} thread(s), memory: peak RSS")
-    table = markdown(results, title, gpu)
-    (args.out / "guides_bench.md").write_text(table)
-    (args.out / "guides_bench.json").write_text(json.dumps(
-        {"title": title, "device": device, "job": job, "steps": steps, "reference_v100": REFERENCE_V100,
-         "rows": results}, indent=2))
-    ok = [dict(r, peak_mem_mb=r["mem_mb"]) for r in results if r["status"] == "ok"]
-    chart(ok, title, args.out / "guides_bench.png")
-    print("\n" + table)
+    write(results, args.out, title, job, steps, device, gpu, png=True)
+    print("\n" + (args.out / "guides_bench.md").read_text())
     print(f"written: {args.out}/guides_bench.md, .json, .png")
     return 0
 
+
+def write(results: list[dict], out: Path, title: str, job: list[str], steps: int, device: str, gpu: bool,
+          png: bool) -> None:
+    """The table, the JSON and (at the end) the chart: rewritten after every row, so a run cut
+    short (a time limit, a crash in one row) still leaves every finished row on disk."""
+    add_ratios(results, gpu)
+    (out / "guides_bench.md").write_text(markdown(results, title, gpu))
+    (out / "guides_bench.json").write_text(json.dumps(
+        {"title": title, "device": device, "job": job, "steps": steps, "reference_v100": REFERENCE_V100,
+         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": results}, indent=2))
+    if png:
+        ok = [dict(r, peak_mem_mb=r["mem_mb"]) for r in results if r["status"] == "ok"]
+        chart(ok, title, out / "guides_bench.png")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,11 +44,12 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, device:
     run_dir = out / "runs" / name
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={steps}", f"device={device}",
             "log_every=1", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",
-            f"hydra.run.dir={run_dir}"]
+            "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
         raise SystemExit(f"row {name} failed:\n{' '.join(args)}\n{done.stderr[-2000:]}")
+    (run_dir / "model.safetensors").unlink(missing_ok=True)  # bert_large's is 1.3 GB: rows would fill a disk
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     timed = train[1:] or train  # leave out the warm-up step

@@ -54,8 +54,10 @@ def plain_loop(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     batches = iter(loader)
-    stamps, syncs = [], 0
+    stamps, current = [], {"step": 0}
+    sync_counter = count_syncs(torch, current, args.log_every) if device.type == "cuda" else None
     for step in range(args.warmup + args.steps):
+        current["step"] = step  # steps done so far (looplib's telemetry counts the same way)
         if step == args.warmup:
             stamps.append(clock(torch, device))
         window = [next(batches) for _ in range(args.accum)]
@@ -77,6 +79,7 @@ def plain_loop(args) -> dict:
         if (step + 1) % args.log_every == 0:
             total.item()
     stamps.append(clock(torch, device))
+    syncs = sync_counter() if sync_counter else None
     return {"s_per_step": (stamps[1] - stamps[0]) / args.steps, "syncs": syncs, **memory(torch, device)}
 
 
@@ -111,10 +114,43 @@ def accelerate_loop(args) -> dict:
     return {"s_per_step": (stamps[1] - stamps[0]) / args.steps, "syncs": None, **memory(torch, device)}
 
 
+def fabric_loop(args) -> dict:
+    """The same training written the way Lightning Fabric's documentation writes it."""
+    torch, model, loader, optimizer, device = setup(args)
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+    fabric = Fabric(accelerator=device.type, devices=1,
+                    precision={"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(args.precision, "32-true"))
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = iter(fabric.setup_dataloaders(loader, move_to_device=True))
+    stamps = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            stamps.append(clock(torch, device))
+        total = torch.zeros((), device=device)
+        for micro in range(args.accum):
+            batch = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro < args.accum - 1):
+                logits = model(batch["input_ids"])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()) / args.accum
+                fabric.backward(loss)
+            total += loss.detach()
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % args.log_every == 0:
+            total.item()
+    stamps.append(clock(torch, device))
+    return {"s_per_step": (stamps[1] - stamps[0]) / args.steps, "syncs": None, **memory(torch, device)}
+
+
+PEERS = {"accelerate": "accelerate", "fabric": "lightning"}  # row -> the package it needs
+
+
 def peers() -> list[str]:
     """Peer frameworks measured too, where installed."""
     import importlib.util
-    return [name for name in ("accelerate",) if importlib.util.find_spec(name) is not None]
+    return [row for row, package in PEERS.items() if importlib.util.find_spec(package) is not None]
 
 
 def looplib_loop(args) -> dict:
@@ -122,7 +158,7 @@ def looplib_loop(args) -> dict:
     from looplib import FP16, FP32, BF16, Accumulation, Engine, Telemetry, TokenCrossEntropy, fit
 
     precision = {"bf16": BF16, "fp16": FP16}.get(args.precision, FP32)()
-    if args.no_nonfinite_check:
+    if args.no_nonfinite_check or args.worker == "looplib-unchecked":
         precision.skip_nonfinite = False
     precision.setup(device)
     stamps, current = [], {"step": 0}
@@ -201,18 +237,21 @@ def main() -> int:
                    help="precision.skip_nonfinite=false: no per-step sync for the inf/NaN check")
     p.add_argument("--out", default="bench_overhead")
     p.add_argument("--smoke", action="store_true", help="one small pair: checks the script, not the numbers")
-    p.add_argument("--worker", choices=["plain", "looplib", "accelerate"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["plain", "looplib", "looplib-unchecked", *PEERS], help=argparse.SUPPRESS)
     p.add_argument("--model", default="tiny", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        loops = {"plain": plain_loop, "looplib": looplib_loop, "accelerate": accelerate_loop}
+        loops = {"plain": plain_loop, "looplib": looplib_loop, "looplib-unchecked": looplib_loop,
+                 "accelerate": accelerate_loop, "fabric": fabric_loop}
         print(json.dumps(loops[args.worker](args)))
         return 0
     if args.smoke:
         args.models, args.pairs, args.steps, args.warmup = "smoke", 1, 4, 1
     results = {}
     for model in args.models.split(","):
-        loops = ["plain", "looplib", *peers()]
+        # on CUDA also looplib without the per-step inf/NaN check (precision.skip_nonfinite=false): its sync's cost
+        unchecked = ["looplib-unchecked"] if args.device.startswith("cuda") and not args.no_nonfinite_check else []
+        loops = ["plain", "looplib", *unchecked, *peers()]
         runs = {name: [] for name in loops}
         for i in range(args.pairs):
             order = loops if i % 2 == 0 else loops[::-1]
@@ -229,8 +268,16 @@ def summarise(runs: dict) -> dict:
     peak = {k: max(r.get("peak_cuda_mb", r["peak_rss_mb"]) for r in v) for k, v in runs.items()}
     return {"median_s_per_step": med, "peak_mb": peak, "time_ratio": med["looplib"] / med["plain"],
             "memory_ratio": peak["looplib"] / peak["plain"], "looplib_syncs": runs["looplib"][0]["syncs"],
+            "syncs": {k: v[0]["syncs"] for k, v in runs.items()},
             "ratios": {k: {"time": med[k] / med["plain"], "memory": peak[k] / peak["plain"]} for k in med},
             "runs": runs}
+
+
+def fmt_syncs(found, steps: int, log_every: int) -> str:
+    if found is None:
+        return "-"  # not counted: no CUDA, or a loop that is not instrumented
+    quiet = sum(1 for s in range(2, steps + 1) if s % log_every)
+    return f"{found} in {quiet} steps"
 
 
 def write(results: dict, args) -> None:
@@ -243,13 +290,13 @@ def write(results: dict, args) -> None:
     (out / "overhead.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [f"Overhead vs a hand-written loop ({args.device}, {args.precision}, {meta['date']}; "
              f"`{meta['command']}`)", "",
-             "| model | loop | s/step | time x plain | peak MB | memory x plain |",
-             "|---|---|---|---|---|---|"]
+             "| model | loop | s/step | time x plain | peak MB | memory x plain | syncs on non-logging steps |",
+             "|---|---|---|---|---|---|---|"]
     for model, r in results.items():
         for loop, m in r["median_s_per_step"].items():
             ratio = r["ratios"][loop]
             lines.append(f"| {model} | {loop} | {m:.4f} | {ratio['time']:.3f} | {r['peak_mb'][loop]:.0f} | "
-                         f"{ratio['memory']:.3f} |")
+                         f"{ratio['memory']:.3f} | {fmt_syncs(r['syncs'][loop], args.steps + args.warmup, args.log_every)} |")
     (out / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

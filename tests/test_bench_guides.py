@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, gpu
 
 
@@ -81,7 +83,8 @@ def test_guides_gpu_table_sets_ours_against_the_v100_ratios():
         return {"row": name, "label": name, "status": "ok", "train_s": 60.0, "samples_per_s": sps,
                 "mem_mb": nvml, "peak_mem_mb": torch_mb, **({"trainer": trainer} if trainer else {})}
 
-    results = [row("vanilla", 20.0, 16000, 12000, {"status": "ok", "samples_per_s": 10.0, "mem_mb": 17000}),
+    results = [row("vanilla", 20.0, 16000, 12000, {"status": "ok", "samples_per_s": 10.0, "mem_mb": 17000})
+               | {"planned_mb": 11000.0},
                row("fp16", 40.0, 12000, 9000, {"status": "failed", "reason": "boom"}),
                {"row": "zero2_offload", "label": "zero", "status": "failed", "reason": "no deepspeed"}]
     bench_guides.add_ratios(results, gpu=True)
@@ -89,10 +92,27 @@ def test_guides_gpu_table_sets_ours_against_the_v100_ratios():
     assert results[1]["theirs_speed_x"] == 18.64 / 8.86 and results[1]["theirs_mem_x"] == 13939 / 14949
     lines = bench_guides.markdown(results, "t", gpu=True).splitlines()
     head = lines[2].strip("| ").split(" | ")
-    assert head[:10] == ["run", "time s", "samples/s", "speed x vanilla", "V100 x", "NVML MB", "torch peak MB",
-                         "memory x vanilla", "V100 x", "Trainer samples/s"]
+    assert head[:11] == ["run", "time s", "samples/s", "speed x vanilla", "V100 x", "NVML MB", "torch peak MB",
+                         "planned MB", "memory x vanilla", "V100 x", "Trainer samples/s"]
     cells = [line.strip("| ").split(" | ") for line in lines[4:]]
     assert all(len(c) == len(head) for c in cells)
-    assert cells[0][-1] == "2.00" and cells[1][-3] == "n/a: boom"
-    assert cells[1][3:9] == ["2.00", "2.10", "12,000", "9,000", "0.75", "0.93"]
+    assert cells[0][-1] == "2.00" and cells[1][-3] == "n/a: boom" and cells[0][7] == "11,000"
+    assert cells[1][3:10] == ["2.00", "2.10", "12,000", "9,000", "-", "0.75", "0.93"]
     assert cells[2][1] == "failed: no deepspeed"
+
+
+def test_engines_small_mode_writes_table_json_and_chart(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = bench("bench_engines.py", "--small", "--rows", "local,zero2", "--steps", "2", "--out", str(tmp_path),
+                cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = (tmp_path / "engines_bench.md").read_text().splitlines()
+    assert table[0].startswith("### tiny GPT, cpu, 2 steps per row")
+    rows = [line.strip("| ").split(" | ") for line in table[4:]]
+    assert [r[0] for r in rows] == ["local engine, AdamW", "ZeRO-2, AdamW"] and rows[0][2] == "1.00"
+    data = json.loads((tmp_path / "engines_bench.json").read_text())
+    assert [r["row"] for r in data["rows"]] == ["local", "zero2"]
+    assert all(r["steps"] == 2 and r["samples_per_s"] > 0 for r in data["rows"])
+    assert "+engine=deepspeed" in data["rows"][1]["overrides"]
+    assert (tmp_path / "engines_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "runs" / "local" / "model.safetensors").exists()  # bench rows keep no weights

@@ -14,10 +14,12 @@ def test_overhead_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "overhead.json").read_text())
     smoke = data["results"]["smoke"]
-    loops = {"plain", "looplib"} | ({"accelerate"} if importlib.util.find_spec("accelerate") else set())
+    installed = {"accelerate": "accelerate", "fabric": "lightning"}
+    loops = {"plain", "looplib"} | {row for row, pkg in installed.items() if importlib.util.find_spec(pkg)}
     assert set(smoke["median_s_per_step"]) == loops == set(smoke["ratios"])
     assert smoke["time_ratio"] > 0 and smoke["memory_ratio"] > 0 and smoke["ratios"]["plain"]["time"] == 1.0
     assert data["meta"]["device"] == "cpu" and "bench_overhead.py" in data["meta"]["command"]
     table = (out / "overhead.md").read_text().splitlines()
-    assert table[2].startswith("| model | loop |")
+    assert table[2].startswith("| model | loop |") and table[2].endswith("| syncs on non-logging steps |")
+    assert smoke["syncs"] == {loop: None for loop in loops}  # counted on CUDA only
     assert sorted(line.split("|")[2].strip() for line in table[4:]) == sorted(loops)

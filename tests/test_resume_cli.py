@@ -91,3 +91,16 @@ def test_resume_refuses_a_breaking_change_and_accepts_a_safe_one(tmp_path):
 def test_resume_path_without_checkpoint_is_an_error(tmp_path):
     r = run_cli(*ARGS, f"resume={tmp_path / 'nothing'}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert r.returncode == 2 and "resume: no valid checkpoint at" in r.stderr
+
+
+def test_checkpoint_enabled_false_writes_no_checkpoint_but_the_same_weights(tmp_path):
+    quick = [a for a in ARGS if not a.startswith("max_steps")] + ["max_steps=3"]
+    on, off = tmp_path / "on", tmp_path / "off"
+    assert run_cli(*quick, "checkpoint.every_steps=1", f"hydra.run.dir={on}", cwd=tmp_path).returncode == 0
+    r = run_cli(*quick, "checkpoint.every_steps=1", "checkpoint.enabled=false", f"hydra.run.dir={off}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(list((on / "checkpoints").iterdir())) == 2 and not (off / "checkpoints").exists()
+    a, b = load_file(str(on / "model.safetensors")), load_file(str(off / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bad = run_cli(*quick, "checkpoint.enabled=sometimes", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "checkpoint.enabled" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Every GPU figure of the README, on one CUDA machine, part by part:
+#
+#     bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]
+#
+# PARTS: check mfu overhead tests guides guides_compile tests_ds engines speed (default: all, in
+# that order). AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
+# Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
+# and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
+# hangs costs only itself. Optional packages missing on the machine (bitsandbytes, deepspeed,
+# lightning, transformers) turn the rows that need them into rows that say so.
+set -u
+results=${1:?usage: bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]}
+shift
+all="check mfu overhead tests guides guides_compile tests_ds engines speed"
+parts=${*:-$all}
+mkdir -p "$results"
+results=$(cd "$results" && pwd)
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore MAX_JOBS=${MAX_JOBS:-16}
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then  # DeepSpeed builds its CPU Adam at first use
+    CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+    export CUDA_HOME
+fi
+py=${PYTHON:-python3}
+
+part() {  # part NAME DEFAULT_LIMIT COMMAND...
+    local name=$1 limit=$2 var="LIMIT_${1^^}"
+    shift 2
+    limit=${!var:-$limit}
+    echo "=== $name: start $(date +%T), limit ${limit}s"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$results/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc after $((SECONDS - t0))s"
+    tail -n "${TAIL:-25}" "$results/$name.log"
+    if [ -n "${AFTER_PART:-}" ]; then eval "$AFTER_PART"; fi
+}
+
+for p in $parts; do
+    case $p in
+    check) part check 120 bash -c "nvidia-smi; $py -c 'import torch, sys; print(sys.version); \
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; \
+for m in bitsandbytes deepspeed hydra omegaconf transformers accelerate lightning pynvml; do \
+$py -c \"import \$m; print('\$m', getattr(\$m, '__version__', 'ok'))\" 2>&1 | tail -n 1; done; \
+$py -m looplib.train +precision=bf16 +optim=adam8bit max_steps=60 eval_every=30 progress=lines \
+hydra.run.dir=$results/check_run && $py -m looplib.plan model=bert_large data=classification \
+loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
+    tests) part tests 300 $py -m pytest -q -rs -p no:cacheprovider \
+        tests/test_loop_reference.py::test_loop_matches_reference_on_cuda \
+        tests/test_plan.py::test_plan_against_the_allocator_peak_on_a_gpu \
+        tests/test_telemetry_memory.py::test_gpu_rows_hold_nvml_memory \
+        tests/test_bench_guides.py::test_mfu_gpu_eager_row \
+        tests/test_engines_ddp.py::test_torchrun_on_cuda_uses_nccl -s ;;
+    tests_ds) part tests_ds 240 $py -m pytest -q -rs -p no:cacheprovider \
+        tests/test_engines_deepspeed.py::test_cuda_offload_runs_and_tracks_the_local_engine ;;
+    mfu) part mfu 240 $py scripts/bench_mfu.py --out "$results/mfu" ;;
+    overhead) part overhead 300 $py scripts/bench_overhead.py --device cuda --precision bf16 --pairs 3 \
+        --steps 150 --warmup 10 --out "$results/overhead" ;;
+    guides) part guides 560 $py scripts/bench_guides.py \
+        --rows vanilla,accumulation,checkpointing,fp16,fp16_all,adafactor,adafactor_all,adam8bit,adam8bit_all,bf16,tf32,fused,zero2_offload \
+        --out "$results/guides" ;;
+    guides_compile) part guides_compile 300 $py scripts/bench_guides.py --rows vanilla,compile \
+        --out "$results/guides_compile" ;;
+    engines) part engines 300 $py scripts/bench_engines.py --steps 30 --out "$results/engines" ;;
+    speed) part speed 300 $py scripts/bench_speed.py ;;
+    *) echo "unknown part $p (choose from: $all)"; exit 2 ;;
+    esac
+done
