@@ -48,11 +48,11 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
             telemetry.add(loss)
         precision.unscale(optimizer)                 # fp16: once per step, before clipping
         grad_norm = clip_grad_norm(model, max_grad_norm)
-        precision.step(optimizer, grad_norm)         # skipped if gradients hold inf/NaN
+        skipped = precision.step(optimizer, grad_norm)  # skipped if gradients hold inf/NaN
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)        # step, *then* zero
-        state.end_window(epochs, updated=telemetry.updated())
-        telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm)
+        state.end_window(epochs, updated=telemetry.updated(), skipped=skipped)
+        telemetry.step(state.step, state.epoch, window, scheduler.get_last_lr()[0], grad_norm, state.skipped)
         if eval_data is not None and eval_every and state.step % eval_every == 0:
             telemetry.eval(state.step, evaluator(model, eval_data, objective, precision, engine))
         if checkpoints.after_step(state) or state.step >= max_steps:  # saves when due; preemption

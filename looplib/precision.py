@@ -20,8 +20,9 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None
 
     def __init__(self, skip_nonfinite: bool = True):
-        # Skipping a step whose gradient norm is inf/NaN needs its value on the host: one
-        # host-device sync per step. skip_nonfinite=False trades that safety for the sync.
+        # Skip a step whose gradient norm is inf/NaN. Fused optimizers (AdamW's default on CUDA)
+        # skip on the device, without a sync; others need the norm on the host: one host-device
+        # sync per step, which skip_nonfinite=False trades away with the safety.
         self.skip_nonfinite = skip_nonfinite
 
     def setup(self, device: torch.device) -> None:
@@ -36,11 +37,19 @@ class Precision:
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``.grad`` hold true gradients before clipping (a no-op without a scaler)."""
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor | None = None) -> None:
-        """Update, unless the gradients are not finite (the update is then skipped and counted)."""
-        if self.skip_nonfinite and grad_norm is not None and not torch.isfinite(grad_norm):
-            return
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer,
+             grad_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Update, unless the gradients are not finite. Returns None when the optimizer's step
+        hooks tell whether it updated, or a device tensor (1.0: skipped) when a fused kernel
+        made that choice on the device, where no hook can see it."""
+        if not self.skip_nonfinite or grad_norm is None:
+            optimizer.step()
+            return None
+        if fused_skip(optimizer):
+            return step_unless(optimizer, grad_norm)
+        if torch.isfinite(grad_norm):  # the host-device sync
+            optimizer.step()
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -110,14 +119,37 @@ class FP16(Autocast):
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer, grad_norm=None):
-        self.scaler.step(optimizer)  # skips optimizer.step() when gradients are not finite
+        self.scaler.step(optimizer)  # skips the update when gradients are not finite
         self.scaler.update()
+        if grad_norm is not None and fused_skip(optimizer):
+            # the scaler handed its inf/NaN flag to the fused kernel: no sync, and the step hooks
+            # fire either way. Gradients (unscaled) hold inf/NaN exactly when their norm does.
+            return (~torch.isfinite(grad_norm)).float()
+        return None
 
     def state_dict(self):
         return {"scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state):
         self.scaler.load_state_dict(state["scaler"])
+
+
+def fused_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer can skip an update on the device (torch's fused Adam, AdamW, SGD,
+    ...: GradScaler's protocol, a ``found_inf`` tensor read by the kernel)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Step a fused optimizer, which leaves weights, moments and step counts alone where the
+    norm is inf/NaN; the choice stays on the device. Returns the skip flag (1.0: skipped)."""
+    found_inf = (~torch.isfinite(grad_norm)).float()
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return found_inf
 
 
 def check_autocast(name: str, device: torch.device, dtype: torch.dtype) -> None:

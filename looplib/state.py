@@ -58,12 +58,26 @@ class TrainState:
     bad_streak: int = 0      # consecutive boundaries without an optimizer update
     preempted: bool = False  # stopped early by SIGTERM/SIGUSR1, after saving
     extra: dict = field(default_factory=dict)
+    # Skipped updates in this process, and the longest streak of them. Where a fused kernel
+    # skipped on the device these three are device tensors, read only when logging or saving.
+    skipped: int | torch.Tensor = 0
+    longest_streak: int | torch.Tensor = 0
 
-    def end_window(self, epochs, updated: bool) -> None:
-        """One optimizer-step boundary passed; ``updated``: the optimizer really stepped."""
+    def end_window(self, epochs, updated: bool, skipped: torch.Tensor | None = None) -> None:
+        """One optimizer-step boundary passed. ``updated``: the optimizer's hooks saw an update;
+        ``skipped``: a device flag that overrides them (1.0: a fused kernel skipped the update)."""
         self.step += 1
         self.epoch, self.batches_seen = epochs.epoch, epochs.batches_seen
-        self.bad_streak = 0 if updated else self.bad_streak + 1
+        if skipped is None:
+            self.bad_streak = 0 if updated else self.bad_streak + 1
+            self.skipped += not updated
+            self.longest_streak = max(self.longest_streak, self.bad_streak)
+        else:  # the same arithmetic on the device: no host-device sync
+            self.bad_streak = (self.bad_streak + 1) * skipped
+            self.skipped = self.skipped + skipped
+            self.longest_streak = (torch.maximum(self.longest_streak, self.bad_streak)
+                                   if torch.is_tensor(self.longest_streak)
+                                   else self.bad_streak.clamp(min=self.longest_streak))
 
 
 class Preemption:
@@ -227,9 +241,11 @@ class Checkpoints:
     """
 
     def __init__(self, root: str | Path | None, every_steps: int = 0, keep: int = 2,
-                 max_bad_steps: int = 0, config_yaml: str = "", is_main: bool = True, engine=None):
+                 max_bad_steps: int = 0, config_yaml: str = "", is_main: bool = True, engine=None,
+                 check_every: int = 1):
         self.root = Path(root) if root else None
         self.every, self.keep, self.max_bad = every_steps, keep, max_bad_steps
+        self.check_every = max(1, check_every)
         self.config_yaml, self.is_main, self.engine = config_yaml, is_main, engine
         self.preemption: Preemption | None = None
         self.parts: dict = {}
@@ -245,14 +261,19 @@ class Checkpoints:
     # ------------------------------------------------------------------ the loop's one call
     def after_step(self, state: TrainState) -> bool:
         """Apply the bad-step rule, save when due or preempted. True: stop the loop now."""
-        if self.max_bad and state.bad_streak >= self.max_bad:
-            raise NumericError(f"{state.bad_streak} consecutive steps had non-finite loss or gradients "
-                               f"(max_bad_steps={self.max_bad}); stopped at step {state.step}, the last "
-                               "good checkpoint is untouched. Lower lr, use bf16 instead of fp16, or clip "
-                               "gradients (max_grad_norm)")
         stop = self.preemption is not None and self.any_rank(self.preemption.requested)
-        if stop or (self.every and state.step % self.every == 0):
-            if state.bad_streak == 0:  # never replace a good checkpoint with a state after a bad step
+        due = stop or bool(self.every and state.step % self.every == 0)
+        # a streak counted on the device is read when saving and every check_every steps (the
+        # logging steps, which sync anyway); one counted on the host, at every step
+        if self.max_bad and (due or not torch.is_tensor(state.longest_streak) or state.step % self.check_every == 0):
+            longest = int(state.longest_streak)
+            if longest >= self.max_bad:
+                raise NumericError(f"{longest} consecutive steps had non-finite loss or gradients "
+                                   f"(max_bad_steps={self.max_bad}); stopped at step {state.step}, the last "
+                                   "good checkpoint is untouched. Lower lr, use bf16 instead of fp16, or clip "
+                                   "gradients (max_grad_norm)")
+        if due:
+            if int(state.bad_streak) == 0:  # never replace a good checkpoint with a state after a bad step
                 self.save(state)
         state.preempted = stop
         return stop
@@ -276,7 +297,7 @@ class Checkpoints:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{state.step:08d}"
         position = {"step": state.step, "epoch": epochs.epoch, "batches_seen": epochs.batches_seen,
-                    "bad_streak": state.bad_streak}
+                    "bad_streak": int(state.bad_streak)}
         blob = {"format": FORMAT, "position": position, "scheduler": p["scheduler"].state_dict(),
                 "rng": rng_state(), "extra": state.extra}
         if own_format:
@@ -357,6 +378,7 @@ class Checkpoints:
         set_rng_state(blob["rng"])
         pos = blob["position"]
         state.step, state.epoch, state.bad_streak = pos["step"], pos["epoch"], pos["bad_streak"]
+        state.longest_streak = state.bad_streak
         state.batches_seen, state.extra = pos["batches_seen"], blob.get("extra", {})
         p["epochs"].epoch, p["epochs"].batches_seen = pos["epoch"], pos["batches_seen"]
         self.last_saved_step = state.step

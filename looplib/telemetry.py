@@ -133,7 +133,10 @@ class Telemetry:
         """One micro-batch's share of the window loss (stays on the device)."""
         self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
 
-    def step(self, step: int, epoch: int, window, lr: float, grad_norm: torch.Tensor | None) -> None:
+    def step(self, step: int, epoch: int, window, lr: float, grad_norm: torch.Tensor | None,
+             skipped: int | torch.Tensor | None = None) -> None:
+        """One optimizer step closed; a row every ``log_every`` steps. ``skipped``: updates skipped
+        so far (a device tensor where fused kernels chose; read on logging steps only)."""
         self.boundaries += 1
         iv = self._interval
         iv["steps"] += 1
@@ -142,16 +145,16 @@ class Telemetry:
         if self.bar is not None:
             self.bar.update(1)
         if step == 1 or step % self.log_every == 0 or step == self.total:
-            self._log(step, epoch, lr, grad_norm)
+            self._log(step, epoch, lr, grad_norm, skipped)
 
-    def _log(self, step, epoch, lr, grad_norm):
+    def _log(self, step, epoch, lr, grad_norm, skipped=None):
         loss = self.reduce_loss(self._loss).item() / self._interval["steps"]  # the sync point, once per log
         now = time.perf_counter()
         dt = max(now - self._t0, 1e-9)
         iv = self._interval
         row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                "step_time_s": dt / iv["steps"], "samples_per_s": iv["samples"] / dt,
-               "tokens_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps,
+               "tokens_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
                "peak_mem_mb": round(peak_memory_mb(self.device), 1),
                "elapsed_s": now - self._t_start}
         if grad_norm is not None:

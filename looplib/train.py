@@ -90,7 +90,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
     checkpoints = Checkpoints(run_dir / "checkpoints" if ckpt.get("enabled", True) else None, ckpt.every_steps, ckpt.keep, s.max_bad_steps,
-                              config_yaml, engine.is_main, engine)
+                              config_yaml, engine.is_main, engine, check_every=s.log_every)
     with Preemption() as preemption:
         checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                          precision=job.precision, epochs=epochs, preemption=preemption)

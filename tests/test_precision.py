@@ -97,3 +97,44 @@ def test_device_whose_autocast_fails_is_refused(monkeypatch):
     with pytest.raises(ConfigError) as err:
         prec.BF16().setup("cpu")
     assert err.value.key == "precision" and "bf16 autocast does not run on cpu" in str(err.value)
+
+
+@pytest.mark.parametrize("prec_name", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_between_logging_steps_the_loop_reads_nothing_back_with_a_fused_optimizer(impl, prec_name, monkeypatch):
+    """The CPU stand-in for CUDA's sync counter: count the loop's reads of tensor values on the
+    host (``bool(t)``, ``t.item()``). With a fused AdamW (the default on CUDA) the inf/NaN skip is
+    decided on the device: 9 steps read exactly as much as 3 (the logged rows: the first and the
+    last). Without one, the skip needs ``bool(isfinite(norm))``: one read per step (fp16: the
+    scaler's own)."""
+    precision = {"fp32": prec.FP32, "bf16": prec.BF16, "fp16": prec.FP16}[prec_name]()
+    precision.setup("cpu")
+    model = tiny_gpt()
+    optimizer = lo.AdamW(lr=1e-3, impl=impl).build(model)
+    reads = {"bool": 0, "item": 0}
+    as_bool, item = torch.Tensor.__bool__, torch.Tensor.item
+
+    def counted_bool(self):
+        reads["bool"] += 1
+        return as_bool(self)
+
+    def counted_item(self):
+        reads["item"] += 1
+        return item(self)
+
+    seen = []
+    for steps in (3, 9):  # one epoch is 16 steps: no epoch boundary in either run
+        telemetry = Telemetry(enabled=False, log_every=100, total_steps=steps)
+        telemetry.write = lambda row: None
+        loader = build_loader(random_tokens(n=128), batch_size=4, seed=1)
+        monkeypatch.setattr(torch.Tensor, "__bool__", counted_bool)
+        monkeypatch.setattr(torch.Tensor, "item", counted_item)
+        reads.update(bool=0, item=0)
+        fit(model, loader, objective=TokenCrossEntropy(), optimizer=optimizer, max_steps=steps,
+            precision=precision, accumulation=Accumulation(2), max_grad_norm=1.0, telemetry=telemetry)
+        monkeypatch.undo()
+        seen.append(dict(reads))
+    if impl == "fused":
+        assert seen[0] == seen[1] and seen[0]["bool"] == 0, seen
+    elif prec_name != "fp16":
+        assert [s["bool"] for s in seen] == [3, 9], seen

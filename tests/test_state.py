@@ -23,7 +23,9 @@ N_SEQ, MICRO, ACCUM, STEPS = 20, 2, 3, 9  # 10 micro-batches an epoch: windows 3
 PRECISIONS = {"fp32": prec.FP32, "bf16": prec.BF16, "fp16": prec.FP16}
 OPTIMIZERS = {"adamw": lambda: lo.AdamW(lr=1e-2, weight_decay=0.1),
               "sgd": lambda: lo.SGD(lr=0.1, weight_decay=0.1),
-              "adam8bit": lambda: lo.Adam8bit(lr=1e-2, weight_decay=0.1)}
+              "adam8bit": lambda: lo.Adam8bit(lr=1e-2, weight_decay=0.1),
+              # fused kernels skip a non-finite step on the device (no sync): CUDA's default AdamW
+              "adamw-fused": lambda: lo.AdamW(lr=1e-2, weight_decay=0.1, impl="fused")}
 # step 4 closes epoch 0 (a short window); step 6 is mid-epoch; "mid-window" dies inside step 7
 INTERRUPTIONS = {"epoch-boundary": (4, None), "mid-epoch": (6, None), "mid-window": (6, 2)}
 
@@ -168,9 +170,10 @@ class NaNLoss(TokenCrossEntropy):
         return loss * float("nan") if step in self.bad_steps else loss
 
 
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw-fused"])
 @pytest.mark.parametrize("prec_name", ["fp32", "bf16", "fp16"])
-def test_a_nan_step_is_skipped_and_counted(prec_name):
-    model, epochs, ckpt, rows, kw = session(prec_name, "adamw", None, seed=0)
+def test_a_nan_step_is_skipped_and_counted(prec_name, opt_name):
+    model, epochs, ckpt, rows, kw = session(prec_name, opt_name, None, seed=0)
     kw["objective"] = NaNLoss({2})
     state, snapshots = TrainState(), []
     for step in (1, 2, 3):
@@ -180,12 +183,49 @@ def test_a_nan_step_is_skipped_and_counted(prec_name):
     unchanged = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(snapshots, snapshots[1:])]
     assert unchanged == [False, True, False]  # only step 2 left the weights alone
     telemetry = kw["telemetry"]
-    assert telemetry.boundaries == 3 and telemetry.optimizer_steps == 2
-    assert rows[-1]["skipped_steps"] == 1 and state.bad_streak == 0
+    assert rows[-1]["skipped_steps"] == 1 and int(state.bad_streak) == 0 and int(state.longest_streak) == 1
+    if opt_name == "adamw-fused":  # the kernel skipped on the device: the step hook fired all the same
+        assert telemetry.optimizer_steps == 3 and torch.is_tensor(state.skipped)
+        assert all(int(s["step"]) == 2 for s in kw["optimizer"].state.values())  # step counts left alone
+    else:
+        assert telemetry.boundaries == 3 and telemetry.optimizer_steps == 2
 
 
-def test_repeated_nans_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path):
-    model, epochs, ckpt, rows, kw = session("bf16", "adamw", tmp_path, seed=0, every=2, max_bad=3)
+@pytest.mark.parametrize("prec_name", ["fp32", "bf16"])  # fp16: GradScaler itself hands the flag to the kernel
+def test_a_device_skip_leaves_the_same_state_as_a_host_skip(prec_name, monkeypatch):
+    """A fused kernel told to skip (no sync) and a skip decided on the host (the optimizer is
+    not called) leave bit-identical weights, moments and step counts for the steps after."""
+    finals = []
+    for on_device in (True, False):
+        monkeypatch.setattr(prec, "fused_skip", lambda optimizer, dev=on_device: dev)
+        model, epochs, ckpt, rows, kw = session(prec_name, "adamw-fused", None, seed=0)
+        kw["objective"] = NaNLoss({2, 3})
+        state = TrainState()
+        fit(model, epochs, max_steps=5, state=state, **kw)
+        assert torch.is_tensor(state.skipped) == on_device and int(state.skipped) == 2
+        finals.append(([p.detach().clone() for p in model.parameters()], kw["optimizer"].state_dict()["state"]))
+    (weights_a, opt_a), (weights_b, opt_b) = finals
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
+
+
+def test_a_device_counted_streak_is_read_on_check_steps_only():
+    from types import SimpleNamespace
+    ckpt = Checkpoints(None, max_bad_steps=2, check_every=4)
+    state, epochs = TrainState(), SimpleNamespace(epoch=0, batches_seen=0)
+    one, zero = torch.ones(()), torch.zeros(())
+    for flag in (one, one, zero):  # a streak of 2 that has ended before step 4
+        state.end_window(epochs, updated=True, skipped=flag)
+        assert ckpt.after_step(state) is False  # steps 1-3: not read (on a GPU, no sync)
+    assert torch.is_tensor(state.longest_streak) and int(state.skipped) == 2 and int(state.bad_streak) == 0
+    state.end_window(epochs, updated=True, skipped=zero)
+    with pytest.raises(NumericError, match="2 consecutive steps"):
+        ckpt.after_step(state)  # step 4: the longest streak counts, though it ended
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw-fused"])
+def test_repeated_nans_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, opt_name):
+    model, epochs, ckpt, rows, kw = session("bf16", opt_name, tmp_path, seed=0, every=2, max_bad=3)
     kw["objective"] = NaNLoss(range(4, 100))  # from step 4 on, every step is bad
     with pytest.raises(NumericError, match="3 consecutive steps had non-finite loss"):
         fit(model, epochs, max_steps=STEPS, **kw)
