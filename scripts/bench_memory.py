@@ -9,7 +9,7 @@ peak RSS, belongs to that row alone). Printed and written to --out: memory_bench
 markdown table), memory_bench.json (every figure) and memory_bench.png (a chart; needs
 matplotlib: pip install 'looplib[bench]'). samples/s leaves out the first step (warm-up);
 speed and memory are also given as ratios to the vanilla row measured in the same run.
-"planned MB" is what `python -m looplib.plan` predicts for the row (static + activations):
+"planned MB" is the peak `python -m looplib.plan` predicts for the row:
 on a GPU compare it with the allocator's peak (the JSON holds the relative error); on a CPU
 the peak is the whole process's RSS (Python and torch included), so only the plan shows the
 model's share.
@@ -72,7 +72,7 @@ def planned_mb(job: list[str], overrides: list[str], device: str) -> float:
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
     plan = build_plan(cfg, memory=1)
-    return (plan.static + plan.activations.at(plan.micro_batch)) / 2**20
+    return plan.peak(plan.micro_batch) / 2**20
 
 
 def markdown(results: list[dict], title: str, gpu: bool) -> str:

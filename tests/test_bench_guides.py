@@ -43,6 +43,13 @@ def test_guides_small_mode_writes_table_json_and_chart(tmp_path):
     # each row's run directory keeps its metrics but not its (on a GPU, GBs large) final checkpoint
     assert (tmp_path / "runs" / "vanilla" / "metrics.jsonl").exists()
     assert not (tmp_path / "runs" / "vanilla" / "checkpoints").exists()
+    # the planner against the run's peaks: one line per row that ran, each with both errors
+    out = bench("plan_vs_peak.py", str(tmp_path / "guides_bench.json"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("| row | torch peak MB |") and [r.split(" | ")[0] for r in lines[2:]] == [
+        "| batch 4", "| + activation checkpointing"]
+    assert all(r.count("%") == 2 for r in lines[2:])
 
 
 def test_guides_rejects_an_unknown_row(tmp_path):
