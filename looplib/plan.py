@@ -16,9 +16,8 @@ The model is built on the meta device, so a model larger than the machine can be
 """
 from __future__ import annotations
 
-import copy
-
 import argparse
+import copy
 import functools
 import math
 import os

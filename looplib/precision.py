@@ -124,7 +124,7 @@ class FP16(Autocast):
         if grad_norm is not None and fused_skip(optimizer):
             # the scaler handed its inf/NaN flag to the fused kernel: no sync, and the step hooks
             # fire either way. Gradients (unscaled) hold inf/NaN exactly when their norm does.
-            return (~torch.isfinite(grad_norm)).float()
+            return nonfinite(grad_norm)
         return None
 
     def state_dict(self):
@@ -140,10 +140,15 @@ def fused_skip(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def nonfinite(grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 where the norm is inf/NaN, else 0.0: a float flag on the norm's device (no sync)."""
+    return (~torch.isfinite(grad_norm)).float()
+
+
 def step_unless(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
     """Step a fused optimizer, which leaves weights, moments and step counts alone where the
     norm is inf/NaN; the choice stays on the device. Returns the skip flag (1.0: skipped)."""
-    found_inf = (~torch.isfinite(grad_norm)).float()
+    found_inf = nonfinite(grad_norm)
     optimizer.found_inf = found_inf
     try:
         optimizer.step()

@@ -59,7 +59,7 @@ class TrainState:
     preempted: bool = False  # stopped early by SIGTERM/SIGUSR1, after saving
     extra: dict = field(default_factory=dict)
     # Skipped updates in this process, and the longest streak of them. Where a fused kernel
-    # skipped on the device these three are device tensors, read only when logging or saving.
+    # skipped on the device, these and bad_streak are device tensors, read when logging or saving.
     skipped: int | torch.Tensor = 0
     longest_streak: int | torch.Tensor = 0
 
@@ -265,18 +265,32 @@ class Checkpoints:
         due = stop or bool(self.every and state.step % self.every == 0)
         # a streak counted on the device is read when saving and every check_every steps (the
         # logging steps, which sync anyway); one counted on the host, at every step
-        if self.max_bad and (due or not torch.is_tensor(state.longest_streak) or state.step % self.check_every == 0):
-            longest = int(state.longest_streak)
-            if longest >= self.max_bad:
-                raise NumericError(f"{longest} consecutive steps had non-finite loss or gradients "
-                                   f"(max_bad_steps={self.max_bad}); stopped at step {state.step}, the last "
-                                   "good checkpoint is untouched. Lower lr, use bf16 instead of fp16, or clip "
-                                   "gradients (max_grad_norm)")
-        if due:
-            if int(state.bad_streak) == 0:  # never replace a good checkpoint with a state after a bad step
-                self.save(state)
+        if due or not torch.is_tensor(state.longest_streak) or state.step % self.check_every == 0:
+            self.check_streak(state)
+        if due and int(state.bad_streak) == 0:  # never replace a good checkpoint with a state after a bad step
+            self.save(state)
         state.preempted = stop
         return stop
+
+    def finish(self, state: TrainState) -> None:
+        """The end of a run: the bad-step rule once more (a streak counted on the device was last
+        read at a logging step), then the final checkpoint, unless the last step was skipped."""
+        self.check_streak(state)
+        if int(state.bad_streak) == 0:
+            self.save(state)
+        else:
+            log.warning("the last %d step(s) were skipped (non-finite): no final checkpoint, the newest "
+                        "good one stays", int(state.bad_streak))
+
+    def check_streak(self, state: TrainState) -> None:
+        if not self.max_bad:
+            return
+        longest = int(state.longest_streak)
+        if longest >= self.max_bad:
+            raise NumericError(f"{longest} consecutive steps had non-finite loss or gradients "
+                               f"(max_bad_steps={self.max_bad}); stopped at step {state.step}, the last "
+                               "good checkpoint is untouched. Lower lr, use bf16 instead of fp16, or clip "
+                               "gradients (max_grad_norm)")
 
     def any_rank(self, flag: bool) -> bool:
         """The stop decision is agreed across ranks (one small all-reduce in multi-process runs)."""

@@ -89,7 +89,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
-    checkpoints = Checkpoints(run_dir / "checkpoints" if ckpt.get("enabled", True) else None, ckpt.every_steps, ckpt.keep, s.max_bad_steps,
+    root = run_dir / "checkpoints" if ckpt.get("enabled", True) else None  # checkpoint.enabled=false: none
+    checkpoints = Checkpoints(root, ckpt.every_steps, ckpt.keep, s.max_bad_steps,
                               config_yaml, engine.is_main, engine, check_every=s.log_every)
     with Preemption() as preemption:
         checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
@@ -126,7 +127,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
             if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
-            checkpoints.save(state)
+            checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
         finally:
             telemetry.close()
     job.peft.save(job.model, run_dir, engine)  # model.safetensors (every rank: ZeRO-3 gathers) or the adapter

@@ -223,6 +223,23 @@ def test_a_device_counted_streak_is_read_on_check_steps_only():
         ckpt.after_step(state)  # step 4: the longest streak counts, though it ended
 
 
+def test_the_end_of_a_run_applies_the_bad_step_rule_and_skips_a_final_save_after_a_bad_step(tmp_path):
+    from types import SimpleNamespace
+    epochs, one = SimpleNamespace(epoch=0, batches_seen=0), torch.ones(())
+    ckpt = Checkpoints(tmp_path, max_bad_steps=2, check_every=10)
+    state = TrainState()
+    for _ in range(2):  # steps 1-2 skipped on the device: no check step reached before the end
+        state.end_window(epochs, updated=True, skipped=one)
+        assert ckpt.after_step(state) is False
+    with pytest.raises(NumericError, match="2 consecutive steps"):
+        ckpt.finish(state)
+    ckpt = Checkpoints(tmp_path, max_bad_steps=5, check_every=10)
+    state = TrainState()
+    state.end_window(epochs, updated=False)  # the last step was skipped (seen on the host)
+    ckpt.finish(state)  # under max_bad_steps: no error, and no checkpoint of the skipped state
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw-fused"])
 def test_repeated_nans_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, opt_name):
     model, epochs, ckpt, rows, kw = session("bf16", opt_name, tmp_path, seed=0, every=2, max_bad=3)
