@@ -162,3 +162,45 @@ def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[in
             }
     if rank == 0:
         (Path(out) / "deepspeed.json").write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------ FSDP2
+
+def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """DDP and FSDP on the same data in the same processes; FSDP's reduce-scatters counted."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+    from looplib.engines.fsdp import FSDP
+    set_env(rank, world, port)
+    ddp = DDP("cpu", bucket_cap_mb=100)
+    model = ddp.setup(tiny_gpt())
+    optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    _, telemetry = train(ddp, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(rank, world)), STEPS)
+    ddp_losses, ddp_weights = telemetry.losses, {k: v.detach().clone() for k, v in ddp.unwrap(model).state_dict().items()}
+
+    calls = [0]
+    reduce = group.foreach_reduce
+
+    def counting(*args, **kwargs):  # one call per FSDP unit whose gradients are reduce-scattered
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    group.foreach_reduce = counting
+    engine = FSDP("cpu")
+    engine.check(settings(world), FP32(), AdamW(lr=LR, weight_decay=0.1))
+    model = engine.setup(tiny_gpt())
+    optimizer = AdamW(lr=LR, weight_decay=0.1, impl="fused").build(model)  # fused AdamW on DTensors
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    p = engine.prepare(model, optimizer, FP32(), settings(world))
+    _, telemetry = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm,
+                         Epochs(loader(rank, world)), STEPS)
+    weights = engine.full_weights(p.model)
+    export = Path(out) / "fsdp.safetensors"
+    engine.export_weights(p.model, export)
+    group.foreach_reduce = reduce
+    if rank == 0:
+        from safetensors.torch import load_file
+        torch.save({"losses": telemetry.losses, "weights": weights, "ddp_losses": ddp_losses,
+                    "ddp_weights": ddp_weights, "reduce_calls": calls[0], "units": engine.units,
+                    "steps": telemetry.optimizer_steps, "export": load_file(export)}, Path(out) / "fsdp.pt")
+    engine.close()

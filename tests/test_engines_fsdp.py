@@ -1,0 +1,103 @@
+"""FSDP2 on the CPU (gloo): two processes reproduce one process and DDP; sharded checkpoints
+resume exactly, and onto another number of processes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from safetensors.torch import load_file, save_model
+
+import dist_workers as W
+from conftest import run_cli
+from looplib.engines.launch import free_port
+from looplib.state import is_valid
+from test_engines_ddp import QUICK, WEIGHT_ATOL, rows, torchrun
+
+# As for DDP (tests/test_engines_ddp.py): two ranks sum their halves of each window in another
+# order than one process, and FSDP reduce-scatters in fp32: losses agree to float rounding,
+# weights after 4 AdamW steps of lr 1e-2 to 1e-4 (1% of one step; Adam's 1/sqrt(v) magnifies
+# rounding where a gradient is near zero).
+LOSS_RTOL = 1e-6
+
+
+def test_two_processes_match_one_process_and_ddp(tmp_path):
+    W.spawn(W.fsdp_worker, 2, tmp_path)
+    got = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    losses, weights = W.local_reference(W.STEPS)
+    assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
+    assert got["losses"] == pytest.approx(got["ddp_losses"], rel=LOSS_RTOL)
+    assert sorted(got["weights"]) == sorted(weights)
+    # model.safetensors: the gathered weights, tied ones stored once, as the local engine writes them
+    save_model(W.tiny_gpt(), str(tmp_path / "local.safetensors"))
+    assert sorted(got["export"]) == sorted(load_file(tmp_path / "local.safetensors"))
+    for name, value in weights.items():
+        torch.testing.assert_close(got["weights"][name], value, atol=WEIGHT_ATOL, rtol=0)
+        torch.testing.assert_close(got["weights"][name], got["ddp_weights"][name], atol=WEIGHT_ATOL, rtol=0)
+        assert name not in got["export"] or torch.equal(got["export"][name], got["weights"][name])
+    # accumulation (2 micro-batches per step): each unit's gradients reduce-scattered once per
+    # optimizer step, on the window's last micro-batch (without set_requires_gradient_sync: twice)
+    assert got["steps"] == W.STEPS
+    assert got["reduce_calls"] == W.STEPS * got["units"] == W.STEPS * 3  # 2 blocks + the root
+
+
+FSDP = ["+engine=fsdp", *QUICK, "max_steps=6", "checkpoint.every_steps=2"]
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in rows(run_dir / "metrics.jsonl") if "loss" in m}
+
+
+def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
+    """SIGTERM to the whole job (as a scheduler sends it) under torchrun: a sharded checkpoint,
+    exit 75, resume=auto bitwise equal to the uninterrupted run. The same run's step-4
+    checkpoint, resumed by one process with the micro-batch doubled (the same global batch),
+    continues with the same losses."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    ref = tmp_path / "ref"
+    r = torchrun(*FSDP, "batch_size=4", f"hydra.run.dir={ref}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("a sample from the trained model") == 1  # generate() through the FSDP root
+    ckpt = ref / "checkpoints" / "step-00000004"
+    assert is_valid(ckpt) is None
+    shards = sorted(p.name for p in (ckpt / "shards").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    assert set(json.loads((ckpt / "manifest.json").read_text())["files"]) >= {f"shards/{s}" for s in shards}
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "looplib.train", *FSDP, "batch_size=4", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 1):
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    saved = [p for p in (run / "checkpoints").iterdir() if is_valid(p) is None]
+    assert saved and not (run / "model.safetensors").exists(), err  # stopped before the end, with a checkpoint
+    r = torchrun(*FSDP, "batch_size=4", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    a, b = load_file(ref / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(run) == losses(ref)
+
+    one = tmp_path / "one"
+    r = run_cli(*FSDP, "batch_size=8", f"resume={ckpt}", f"hydra.run.dir={one}", cwd=tmp_path,
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "processes 2 -> 1, batch_size 4 -> 8" in r.stdout
+    ref_losses = losses(ref)
+    assert losses(one) == pytest.approx({s: ref_losses[s] for s in (5, 6)}, rel=1e-5)
+    c = load_file(one / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], atol=WEIGHT_ATOL, rtol=0)
+    # another global batch would be another run: refused, with the split that keeps it
+    r = run_cli(*FSDP, "batch_size=4", f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path,
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "batch_size x accum_steps = 16 per process" in r.stderr, r.stderr
