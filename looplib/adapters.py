@@ -73,9 +73,11 @@ class LoRA(FullModel):
         return wrapped
 
     def save(self, model, run_dir, engine=None):
+        gather = getattr(engine, "full_weights", None)  # sharded engines (FSDP, ZeRO): every rank gathers
+        state_dict = gather(model) if gather is not None else None
         if engine is None or engine.is_main:
             unwrapped = engine.unwrap(model) if engine is not None else model
-            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"))  # safetensors by default
+            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"), state_dict=state_dict)  # safetensors
 
 
 def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:

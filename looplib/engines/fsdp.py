@@ -126,7 +126,7 @@ class FSDP(Engine):
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Shard every block, then the root, before the optimizer is built (it steps on the shards)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
         launch.start(self)
         units = [m for _, m in self.finder.chosen(model)]
         if not units:
@@ -142,6 +142,8 @@ class FSDP(Engine):
         # the root's parameters (embeddings, head) are needed first in backward: resharding them
         # after forward would only gather them again at once (torchtitan does the same)
         fully_shard(model, **{**args, "reshard_after_forward": False})
+        if callable(getattr(model, "generate", None)):  # a wrapper's generate (peft) calls the inner
+            register_fsdp_forward_method(model, "generate")  # model directly: gather the root's shards first
         self.units = len(units) + 1
         log.info("FSDP: %d processes, backend %s, %s each; %d units (%s ... and the root), %s",
                  self.world_size, dist.get_backend(), self.device, self.units,
