@@ -13,8 +13,13 @@ import torch
 from safetensors.torch import load_file, save_model
 
 import dist_workers as W
-from conftest import run_cli
+from conftest import needs_bnb, run_cli
+from looplib.engines.deepspeed import CPUAdam
+from looplib.engines.fsdp import FSDP as FSDPEngine
 from looplib.engines.launch import free_port
+from looplib.errors import ConfigError
+from looplib.optim import SGD, Adafactor, Adam8bit
+from looplib.precision import FP32
 from looplib.state import is_valid
 from test_engines_ddp import QUICK, WEIGHT_ATOL, rows, torchrun
 
@@ -101,3 +106,43 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
     r = run_cli(*FSDP, "batch_size=4", f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path,
                 env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and "batch_size x accum_steps = 16 per process" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("optim, words", [
+    (Adafactor(lr=1e-3), "Adafactor: torch's Adafactor scales each step by the parameter's norm"),
+    (CPUAdam(lr=1e-3), "DeepSpeedCPUAdam: DeepSpeed's CPU Adam steps DeepSpeed's flat partitions"),
+    pytest.param("adam8bit", "AdamW8bit: bitsandbytes' 8-bit optimizers", marks=needs_bnb),
+])
+def test_optimizers_that_cannot_step_on_shards_are_refused(optim, words):
+    if optim == "adam8bit":
+        optim = Adam8bit(lr=1e-3)
+    with pytest.raises(ConfigError, match="^optim: \\+engine=fsdp with " + words):
+        FSDPEngine("cpu").check(W.settings(2), FP32(), optim)
+    FSDPEngine("cpu").check(W.settings(2), FP32(), SGD(lr=1e-3))  # SGD and AdamW step on DTensors
+
+
+def test_bad_engine_keys_are_refused():
+    with pytest.raises(ConfigError, match="^engine.offload: engine.offload=cpu moves shards .* already the CPU"):
+        FSDPEngine("cpu", offload="cpu").check(W.settings(2), FP32(), None)
+    with pytest.raises(ConfigError, match="^engine.blocks: neither engine.blocks nor engine.block_names"):
+        FSDPEngine("cpu", blocks=[])
+    with pytest.raises(ConfigError, match="^engine.block_names: .* is not a regular expression"):
+        FSDPEngine("cpu", block_names="blocks[")
+
+
+def test_refusal_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    """Both ranks refuse at build time, before any process group (so neither waits for the
+    other); rank 0 says why in one line, rank 1 says nothing."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "looplib.train", "+engine=fsdp", "data=random", "+optim=adafactor",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", "RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in (0, 1)]
+    done = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    said = [[line for line in err.splitlines() if line.startswith("looplib: error:")] for _, err in done]
+    assert len(said[0]) == 1 and said[1] == [], said
+    assert said[0][0].startswith("looplib: error: optim: +engine=fsdp with Adafactor:")
+    assert not (tmp_path / "run").exists()  # nothing half-written

@@ -43,27 +43,29 @@ from .local import Engine, Prepared, resolve_device, write_safetensors
 
 log = logging.getLogger("looplib")
 
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
 # Optimizers that cannot step on DTensor shards, with the reason (module prefix or dotted class).
 REFUSED_OPTIMIZERS = {
-    "bitsandbytes": ("bitsandbytes' 8-bit optimizers quantise whole tensors in CUDA kernels that do not "
-                     "take DTensor shards", "use +optim=adamw (FSDP already divides its state by the "
+    "bitsandbytes": ("bitsandbytes' 8-bit optimizers keep quantised state per whole tensor and run their "
+                     "kernels on plain tensors, not DTensor shards", "use +optim=adamw (FSDP already divides its state by the "
                      "number of processes), or +engine=deepspeed"),
     "deepspeed.ops.adam.DeepSpeedCPUAdam": ("DeepSpeed's CPU Adam steps DeepSpeed's flat partitions, not "
                                             "DTensor shards", "use +optim=adamw with engine.offload=cpu "
                                             "(the optimizer then steps on the CPU), or +engine=deepspeed"),
-    "torch.optim.adafactor.Adafactor": ("torch's Adafactor reduces its factored second moment in place "
-                                        "across the sharded dimension, which DTensor refuses (checked on "
-                                        "torch 2.13)", "use +optim=adamw or +optim=sgd, or +engine=ddp"),
+    class_name(torch.optim.Adafactor): ("torch's Adafactor scales each step by the parameter's norm with "
+                                        "in-place ops that DTensor cannot run on a norm of shards "
+                                        "(aten.pow_ on a partial norm, torch 2.13)",
+                                        "use +optim=adamw or +optim=sgd, or +engine=ddp / +engine=deepspeed"),
 }
 
 # looplib's Block and the usual Hugging Face decoder/encoder layers (as +checkpointing=blocks)
 BLOCKS = ["Block", "GPT2Block", "BertLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"]
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__name__}"
 
 
 class FSDP(Engine):
@@ -129,6 +131,7 @@ class FSDP(Engine):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
         launch.start(self)
         units = [m for _, m in self.finder.chosen(model)]
+        unit_class = type(units[0]).__name__ if units else "-"
         if not units:
             log.warning("FSDP: no module matches engine.blocks / engine.block_names: the whole model is one "
                         "unit, gathered whole on every rank (parameters gain nothing from sharding)")
@@ -145,9 +148,10 @@ class FSDP(Engine):
         if callable(getattr(model, "generate", None)):  # a wrapper's generate (peft) calls the inner
             register_fsdp_forward_method(model, "generate")  # model directly: gather the root's shards first
         self.units = len(units) + 1
-        log.info("FSDP: %d processes, backend %s, %s each; %d units (%s ... and the root), %s",
-                 self.world_size, dist.get_backend(), self.device, self.units,
-                 type(units[0]).__name__ if units else "-", mp_policy)
+        log.info("FSDP: %d processes, backend %s, %s each; %d units (%d x %s and the root); parameters in "
+                 "%s, gradients reduced in %s%s", self.world_size, dist.get_backend(), self.device, self.units,
+                 len(units), unit_class, mp_policy.param_dtype or "fp32", mp_policy.reduce_dtype or "fp32",
+                 "; shards offloaded to the CPU" if self.offload == "cpu" else "")
         return model
 
     def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
