@@ -198,9 +198,38 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     export = Path(out) / "fsdp.safetensors"
     engine.export_weights(p.model, export)
     group.foreach_reduce = reduce
+    skipped = fp16_overflow_on_one_rank(rank)
     if rank == 0:
         from safetensors.torch import load_file
         torch.save({"losses": telemetry.losses, "weights": weights, "ddp_losses": ddp_losses,
                     "ddp_weights": ddp_weights, "reduce_calls": calls[0], "units": engine.units,
-                    "steps": telemetry.optimizer_steps, "export": load_file(export)}, Path(out) / "fsdp.pt")
+                    "steps": telemetry.optimizer_steps, "export": load_file(export), "fp16": skipped},
+                   Path(out) / "fsdp.pt")
     engine.close()
+
+
+def fp16_overflow_on_one_rank(rank: int) -> dict:
+    """fp16 under FSDP: an inf in rank 1's gradient shard only. The scaler's inf check is agreed
+    across ranks, so *every* rank skips the update and halves the scale (a per-rank check would
+    let rank 0 step on its shards alone). The loop's verbs, one window."""
+    from looplib.engines.fsdp import FSDP
+    from looplib.loop import clip_grad_norm
+    from looplib.precision import FP16
+    engine, precision = FSDP("cpu"), FP16(init_scale=2.0**10)
+    precision.setup("cpu")
+    engine.check(settings(2), precision, None)
+    model = engine.setup(tiny_gpt())
+    p = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, settings(2))
+    batch = random_tokens(2)[rank]
+    before = [t.detach().to_local().clone() for t in model.parameters()]
+    with p.precision.autocast():
+        loss = TokenCrossEntropy()(p.model, {k: v[None] for k, v in batch.items()})
+    p.precision.backward(loss)
+    if rank == 1:
+        next(iter(model.parameters())).grad.to_local().fill_(float("inf"))
+    p.precision.unscale(p.optimizer)
+    norm = clip_grad_norm(p.model, CLIP)
+    p.precision.step(p.optimizer, norm)
+    return {"scaler": type(p.precision.scaler).__name__, "scale": p.precision.scaler.get_scale(),
+            "param_dtype": str(engine.mp_policy.param_dtype), "norm": float(norm),
+            "unchanged": all(torch.equal(a, t.detach().to_local()) for a, t in zip(before, model.parameters()))}

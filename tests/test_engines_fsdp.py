@@ -48,6 +48,9 @@ def test_two_processes_match_one_process_and_ddp(tmp_path):
     # optimizer step, on the window's last micro-batch (without set_requires_gradient_sync: twice)
     assert got["steps"] == W.STEPS
     assert got["reduce_calls"] == W.STEPS * got["units"] == W.STEPS * 3  # 2 blocks + the root
+    # fp16: 16-bit compute, ShardedGradScaler; an inf on rank 1 alone skips the step on rank 0 too
+    assert got["fp16"] == {"scaler": "ShardedGradScaler", "scale": 2.0**9, "param_dtype": "torch.float16",
+                           "norm": float("inf"), "unchanged": True}
 
 
 FSDP = ["+engine=fsdp", *QUICK, "max_steps=6", "checkpoint.every_steps=2"]
