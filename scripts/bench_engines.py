@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench_engines"))
     ap.add_argument("--nproc", type=int, default=1, help="processes per row (torchrun); figures are per rank")
+    ap.add_argument("--set", nargs="*", default=[], help="further overrides for every row, e.g. model.d_model=512")
     args = ap.parse_args(argv)
     names = [n for n in (args.rows or (SMALL_ROWS if args.small else GPU_ROWS)).split(",") if n]
     unknown = set(names) - set(ROWS)
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc > 1 and "local" in names:
         ap.error("the local engine is one process: leave it out of --rows with --nproc > 1")
     device = "cpu" if args.small else "cuda"
-    job = SMALL_JOB if args.small else GPU_JOB
+    job = [*(SMALL_JOB if args.small else GPU_JOB), *args.set]
     steps = args.steps or (6 if args.small else 30)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
