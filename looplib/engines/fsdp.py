@@ -128,6 +128,7 @@ class FSDP(Engine):
 
     def setup(self, model: nn.Module) -> nn.Module:
         """Shard every block, then the root, before the optimizer is built (it steps on the shards)."""
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
         launch.start(self)
         units = [m for _, m in self.finder.chosen(model)]
@@ -137,9 +138,13 @@ class FSDP(Engine):
                         "unit, gathered whole on every rank (parameters gain nothing from sharding)")
         mp_policy = getattr(self, "mp_policy", None) or self.policy(None)
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.offload == "cpu" else OffloadPolicy()
-        # offloaded shards start in host memory; otherwise on this process's device
-        model = model.to("cpu" if self.offload == "cpu" else self.device)
-        args = dict(mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=self.reshard_after_forward)
+        # The model stays where it was built (the CPU): fully_shard moves one unit at a time to
+        # the mesh's device and shards it there, so no rank ever holds the whole model on the
+        # device (with offload the shards go back to host memory). The mesh names the device
+        # type: FSDP's default would pick CUDA whenever present, even for device=cpu.
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        args = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
+                    reshard_after_forward=self.reshard_after_forward)
         for unit in units:
             fully_shard(unit, **args)
         # the root's parameters (embeddings, head) are needed first in backward: resharding them
