@@ -250,6 +250,8 @@ class FSDP(Engine):
         """Another number of processes may split the same global batch differently: accept a
         change of batch_size / accum_steps that keeps batch_size x accum_steps x processes
         (``saved_cfg`` is updated so the config check passes); refuse one that does not."""
+        if not (Path(path) / "fsdp.json").is_file():  # another engine's checkpoint: the config check refuses it
+            return []
         saved = json.loads((Path(path) / "fsdp.json").read_text())
         now = {"world_size": self.world_size, "batch_size": now_cfg.get("batch_size"),
                "accum_steps": now_cfg.get("accum_steps")}
