@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(f"{label:<60} {row['samples_per_s']:8.2f} samples/s  {row['peak_mem_mb']:10,.0f} MB peak", flush=True)
     model = "tiny GPT" if args.small else "bert_large, bf16"
-    title = (f"{model}, {device}, {args.nproc} process(es) per row, {steps} steps per row, {time.strftime('%Y-%m-%d')}; "
+    title = (f"{model}, {device}, {steps} steps per row, {args.nproc} process(es) each, {time.strftime('%Y-%m-%d')}; "
              f"`python scripts/bench_engines.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
     md = table(results, title)
     print("\n" + md)
