@@ -40,7 +40,7 @@ ROWS = {
                       [*DS, "engine.stage=3", "engine.offload_optimizer=cpu", "engine.offload_params=cpu",
                        "+optim=cpu_adam"]),
 }
-GPU_ROWS = "local,zero2_offload,zero3_offload"
+GPU_ROWS = "local,fsdp,fsdp_offload,zero2_offload,zero3_offload"
 SMALL_ROWS = "local,zero2,zero3"  # offload on a CPU-only machine would move CPU memory to the CPU
 
 GPU_JOB = ["model=bert_large", "data=classification", "loss=classification", "data.n_train=512", "lr=1e-5",
