@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_model
 
 import dist_workers as W
-from conftest import needs_bnb, run_cli
+from conftest import gpu, needs_bnb, run_cli
 from looplib.engines.deepspeed import CPUAdam
 from looplib.engines.fsdp import FSDP as FSDPEngine
 from looplib.engines.fsdp import moved_position
@@ -168,3 +168,14 @@ def test_refusal_is_one_line_and_exit_2_on_every_rank(tmp_path):
     assert len(said[0]) == 1 and said[1] == [], said
     assert said[0][0].startswith("looplib: error: optim: +engine=fsdp with Adafactor:")
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+@gpu
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_torchrun_on_cuda_uses_nccl_with_and_without_offload(tmp_path, offload):
+    r = torchrun("+engine=fsdp", *QUICK, "batch_size=4", "device=cuda", "+precision=bf16", f"engine.offload={offload}",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, nproc=torch.cuda.device_count())
+    assert r.returncode == 0, r.stderr
+    assert "backend nccl" in r.stdout and "parameters in torch.bfloat16, gradients reduced in torch.float32" in r.stdout
+    assert ("shards offloaded to the CPU" in r.stdout) == (offload == "cpu")
+    assert (tmp_path / "run" / "model.safetensors").exists()
