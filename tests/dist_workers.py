@@ -55,12 +55,13 @@ class Rows(Telemetry):
     def __init__(self, engine):
         super().__init__(log_every=1, enabled=False)
         self.reduce_loss = engine.mean_across_ranks
-        self.losses = []
+        self.losses, self.grad_norms = [], []
 
     def write(self, row):
         super().write(row)
         if "loss" in row:
             self.losses.append(row["loss"])
+            self.grad_norms.append(row.get("grad_norm"))
 
 
 def train(engine: Engine, model, optimizer, scheduler, precision, max_grad_norm, epochs, steps, state=None):
@@ -176,7 +177,8 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
     scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
     _, telemetry = train(ddp, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(rank, world)), STEPS)
-    ddp_losses, ddp_weights = telemetry.losses, {k: v.detach().clone() for k, v in ddp.unwrap(model).state_dict().items()}
+    ddp_losses, ddp_norms = telemetry.losses, telemetry.grad_norms
+    ddp_weights = {k: v.detach().clone() for k, v in ddp.unwrap(model).state_dict().items()}
 
     calls = [0]
     reduce = group.foreach_reduce
@@ -202,6 +204,7 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         from safetensors.torch import load_file
         torch.save({"losses": telemetry.losses, "weights": weights, "ddp_losses": ddp_losses,
+                    "grad_norms": telemetry.grad_norms, "ddp_grad_norms": ddp_norms,
                     "ddp_weights": ddp_weights, "reduce_calls": calls[0], "units": engine.units,
                     "steps": telemetry.optimizer_steps, "export": load_file(export), "fp16": skipped},
                    Path(out) / "fsdp.pt")

@@ -37,6 +37,10 @@ def test_two_processes_match_one_process_and_ddp(tmp_path):
     losses, weights = W.local_reference(W.STEPS)
     assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
     assert got["losses"] == pytest.approx(got["ddp_losses"], rel=LOSS_RTOL)
+    # clipping (max norm 0.5, below every step's norm) on sharded gradients: the norm is the
+    # global one, as DDP's all-reduced gradients give it
+    assert min(got["ddp_grad_norms"]) > W.CLIP
+    assert got["grad_norms"] == pytest.approx(got["ddp_grad_norms"], rel=1e-5)
     assert sorted(got["weights"]) == sorted(weights)
     # model.safetensors: the gathered weights, tied ones stored once, as the local engine writes them
     save_model(W.tiny_gpt(), str(tmp_path / "local.safetensors"))

@@ -51,8 +51,8 @@ def class_name(cls: type) -> str:
 # Optimizers that cannot step on DTensor shards, with the reason (module prefix or dotted class).
 REFUSED_OPTIMIZERS = {
     "bitsandbytes": ("bitsandbytes' 8-bit optimizers keep quantised state per whole tensor and run their "
-                     "kernels on plain tensors, not DTensor shards", "use +optim=adamw (FSDP already divides its state by the "
-                     "number of processes), or +engine=deepspeed"),
+                     "kernels on plain tensors, not DTensor shards",
+                     "use +optim=adamw (FSDP already divides its state by the number of processes), or +engine=deepspeed"),
     "deepspeed.ops.adam.DeepSpeedCPUAdam": ("DeepSpeed's CPU Adam steps DeepSpeed's flat partitions, not "
                                             "DTensor shards", "use +optim=adamw with engine.offload=cpu "
                                             "(the optimizer then steps on the CPU), or +engine=deepspeed"),
@@ -86,13 +86,15 @@ class FSDP(Engine):
         self.device = launch.process_device(resolve_device(str(device)))
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s
         if offload not in ("none", "cpu"):
-            raise ConfigError("engine.offload", f"{offload!r} is not an offload device", "use engine.offload=none or cpu")
+            raise ConfigError("engine.offload", f"{offload!r} is not an offload device",
+                              "use engine.offload=none or cpu")
         if reduce_dtype not in ("float32", "param"):
             raise ConfigError("engine.reduce_dtype", f"{reduce_dtype!r} is not a reduce dtype",
                               "use engine.reduce_dtype=float32 or param")
         if not blocks and not block_names:
             raise ConfigError("engine.blocks", "neither engine.blocks nor engine.block_names is set",
-                              "name block classes (engine.blocks=[Block]) or a pattern (engine.block_names='blocks\\.\\d+')")
+                              "name block classes (engine.blocks=[Block]) or a pattern "
+                              "(engine.block_names='blocks\\.\\d+')")
         try:
             self.finder = ActivationCheckpointing(types=list(blocks or ()), names=block_names)
         except ConfigError as err:  # a bad regular expression: its key is engine.block_names here
