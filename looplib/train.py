@@ -65,6 +65,7 @@ def build_job(cfg: DictConfig) -> Job:
     engine.check(settings, precision, job.optim)
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
+    engine.check_evaluation(job.evaluation)
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))

@@ -118,6 +118,14 @@ class FSDP(Engine):
             if cls == prefix or cls.startswith(prefix + "."):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
 
+    def check_evaluation(self, evaluation) -> None:
+        from ..evaluation import HalfWeights
+        if isinstance(evaluation, HalfWeights):
+            raise ConfigError("evaluation", "+evaluation=bf16/fp16 casts each parameter's .data, but FSDP gathers "
+                              "blocks from its own flat shard buffers (the cast is not seen, and under inference "
+                              "mode the gather fails)", "leave +evaluation out: with +precision=bf16 FSDP already "
+                              "evaluates with bf16 parameters")
+
     def policy(self, precision):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         dtype = getattr(precision, "dtype", None)
