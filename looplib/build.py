@@ -139,11 +139,14 @@ def check_global_batch(s: Settings) -> None:
 
 
 def fill_strategy_defaults(cfg: DictConfig) -> None:
-    """Put the default option of every absent strategy group into ``cfg`` (so it is saved too)."""
+    """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
+    A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
     with open_dict(cfg):
         for group, option in STRATEGY_DEFAULTS.items():
-            if cfg.get(group) is None:
-                cfg[group] = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")
+            node = cfg.get(group)
+            if node is None or (isinstance(node, DictConfig) and "_target_" not in node):
+                default = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")
+                cfg[group] = default if node is None else OmegaConf.merge(default, node)
 
 
 def check_config(cfg: DictConfig) -> Settings:
