@@ -41,8 +41,11 @@ class CausalLM(nn.Module):
             else:
                 self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids restarting at 0 without an attention_mask: packed examples (looplib.data.Packed)
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits
 
     generate = GPT.generate  # the same top-k sampling loop as the bundled model (it only calls self)
 
