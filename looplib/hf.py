@@ -56,8 +56,11 @@ class CausalLM(nn.Module):
         taken = set(inspect.signature(type(hf_config).__init__).parameters) - {"self", "kwargs"}
         return taken | set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {}))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids restarting at 0 without an attention_mask: packed examples (looplib.data.Packed)
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits
 
     generate = GPT.generate  # the same top-k sampling loop as the bundled model (it only calls self)
 
