@@ -177,3 +177,30 @@ def test_generate_samples_a_bundled_model_run(tmp_path, capsys):
     assert words[:3] == [str(ord(c) % 64) for c in "abc"] and len(words) == 6
     assert main([str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_block_checkpointing_finds_transformers_layers_by_type_and_keeps_gradients(tiny_pretrained):
+    from looplib.checkpointing import ActivationCheckpointing
+    from looplib.hf import CausalLM
+    from looplib.plan import default_checkpointing
+    ids = ids_batch(2)
+    grads = []
+    for strategy in (None, default_checkpointing()):
+        model = CausalLM(seq_len=SEQ, path=str(tiny_pretrained))
+        if strategy is not None:
+            assert [n for n, _ in strategy.chosen(model)] == ["hf.model.layers.0", "hf.model.layers.1"]
+            strategy.apply(model)
+        model(ids).float().logsumexp(-1).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert isinstance(default_checkpointing(), ActivationCheckpointing)
+
+
+def test_the_planner_plans_a_pretrained_directory_without_loading_it(tiny_pretrained, capsys):
+    from looplib.plan import main
+    assert main([f"model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
+                 "+checkpointing=blocks", "--memory-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained).parameters())
+    assert f"CausalLM ({n:,} trainable parameters)" in out and "with checkpointing (2 modules)" in out
