@@ -81,10 +81,11 @@ def run(job: Job, run_dir: Path) -> TrainState:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
+    collate = getattr(job.corpus, "collate", None)  # padded data: the corpus pads each batch
     train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size, **loader_args)
+                         rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
-                            device=engine.device)
+                            device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
     optimizer = job.optim.build(job.model)
     scheduler = job.schedule.build(optimizer, s.max_steps)
@@ -101,6 +102,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
             resume(checkpoints, state, s.resume, run_dir)
         if engine.is_main:
             (run_dir / "config.yaml").write_text(config_yaml)
+            if hasattr(job.corpus, "save"):
+                job.corpus.save(run_dir)  # e.g. labels.json
         telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                               device=engine.device, enabled=engine.is_main, progress=s.progress,
                               **mfu_settings(job))
