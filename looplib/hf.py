@@ -101,7 +101,7 @@ class HFModel(nn.Module):
         by the engine); main rank only. Written beside and renamed: never a half-written directory."""
         run_dir = Path(run_dir)
         weights = {k[len("hf."):]: v for k, v in weights.items() if k.startswith("hf.")}
-        label_map(self.hf.config, corpus, run_dir)
+        label_map(self.hf.config, corpus)
         target = run_dir / "hf"
         tmp = run_dir / "hf.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -338,14 +338,13 @@ def merge_lora(peft_model, weights: dict[str, torch.Tensor], merge: bool) -> dic
     return out
 
 
-def label_map(config, corpus, run_dir: Path) -> None:
-    """Class names into the config (id2label/label2id) and ``labels.json`` in the run directory."""
+def label_map(config, corpus) -> None:
+    """Class names into the config (id2label/label2id); the data writes labels.json itself."""
     names = getattr(corpus, "label_names", None)
     if not names:
         return
     config.id2label = {i: str(n) for i, n in enumerate(names)}
     config.label2id = {str(n): i for i, n in enumerate(names)}
-    (Path(run_dir) / "labels.json").write_text(json.dumps([str(n) for n in names], indent=1) + "\n")
 
 
 def save_tokenizer(directory: Path, corpus, model_path: str | None = None) -> None:

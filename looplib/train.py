@@ -109,6 +109,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
                               **mfu_settings(job))
         telemetry.resumed_from = state.step or None
         telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+        telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
         n_params = sum(p.numel() for p in job.model.parameters())
         log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
                  "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,

@@ -114,15 +114,22 @@ def test_classifier_on_the_pretrained_backbone_exports_with_its_label_map(tiny_p
     corpus = corpus_like(tiny_pretrained, label_names=["neg", "neu", "pos"])
     model.check_data(corpus)
     lora = LoRA(r=2, target_modules=["all-linear"]) if adapter else None
-    result = train_model(model, RandomTokens(8, SEQ, VOCAB, num_classes=3), max_steps=2, batch_size=4,
-                         objective=SequenceCrossEntropy(), peft=lora, optim=AdamW(lr=1e-2), device="cpu")
+    data = RandomTokens(8, SEQ, VOCAB, num_classes=3)
+    result = train_model(model, data, max_steps=2, batch_size=4, objective=SequenceCrossEntropy(), peft=lora,
+                         optim=AdamW(lr=1e-2), device="cpu", eval_dataset=data, metrics=tmp_path / "m.jsonl",
+                         log_every=1)
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert "sequences_per_s" in rows[0] and "tokens_per_s" not in rows[0]  # classification counts sequences
+    with torch.no_grad():  # eval accuracy, not perplexity: the final model's, on the 8 sequences
+        predicted = torch.cat([result.model(d["input_ids"][None]) for d in data]).argmax(-1)
+    assert rows[-1]["eval_accuracy"] == (predicted == data.labels).float().mean().item()
+    assert "eval_perplexity" not in rows[-1]
     (lora or __import__("looplib").FullModel()).save(result.model, tmp_path, corpus=corpus)
     auto = peft.AutoPeftModelForSequenceClassification if adapter else transformers.AutoModelForSequenceClassification
     loaded = auto.from_pretrained(tmp_path / "hf")
     ids = ids_batch()
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(result.model, ids), rtol=1e-5, atol=1e-5)
     assert loaded.config.id2label == {0: "neg", 1: "neu", 2: "pos"}
-    assert json.loads((tmp_path / "labels.json").read_text()) == ["neg", "neu", "pos"]
 
 
 @pytest.mark.parametrize("case, key, words", [
