@@ -148,6 +148,7 @@ class CausalLM(HFModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids restarting at 0 without an attention_mask: packed examples (looplib.data.Packed)
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits
 

@@ -38,6 +38,9 @@ def make_tiny_model(directory: str | Path, texts: list[str] | None = None, vocab
     """Write the tokenizer and a random tiny Llama into ``directory``; return it."""
     import torch
     from tokenizers import ByteLevelBPETokenizer
+
+    from .hf import import_transformers
+    import_transformers()  # quiet: no progress bars
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     files = text_files(texts or [], max_bytes)

@@ -35,7 +35,7 @@ from .tokenizer import cache_root
 log = logging.getLogger("looplib")
 
 FORMAT = 1
-RELEASE_BYTES = 32 << 20
+RELEASE_BYTES = 16 << 20
 PROGRESS_BYTES = 32 << 20   # inputs larger than this get a progress bar (on a terminal)
 
 

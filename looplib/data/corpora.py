@@ -200,10 +200,11 @@ class FileCorpus(Corpus):
         data = self.tokenise(files, "data.path")
         if eval_files:
             held = self.tokenise(eval_files, "data.eval_path")
-            self.build(data, np.arange(len(data)), held, np.arange(len(held)), "data.eval_path")
-        else:
-            train, held = split_documents(len(data), eval_fraction, seed, path)
-            self.build(data, train, data, held, "data.eval_fraction")
+            self.train_docs, self.eval_docs = np.arange(len(data)), np.arange(len(held))
+            self.build(data, self.train_docs, held, self.eval_docs, "data.eval_path")
+        else:  # the documents of each split (indices into the tokenised files)
+            self.train_docs, self.eval_docs = split_documents(len(data), eval_fraction, seed, path)
+            self.build(data, self.train_docs, data, self.eval_docs, "data.eval_fraction")
         self.collate = PadCollate(self.pad_id) if self.padded else None
 
     padded = False

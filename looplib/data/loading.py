@@ -29,15 +29,20 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def order(self) -> list[int]:
+        return self.indices().tolist()
+
+    def indices(self) -> torch.Tensor:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
+            order = torch.randperm(self.n, generator=g)
         else:
-            order = list(range(self.n))
+            order = torch.arange(self.n)
         return order[self.rank::self.world][: self.n // self.world]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start:])
+        # a tensor handed out in slices: millions of windows never become one list of Python ints
+        rest = self.indices()[self.start:]
+        return (i for chunk in rest.split(1 << 16) for i in chunk.tolist())
 
     def __len__(self) -> int:
         return self.n // self.world - self.start
