@@ -67,6 +67,7 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
         held_out = [b for _, b in zip(range(eval_batches), loader)]
     telemetry = Telemetry(metrics, log_every=log_every, total_steps=max_steps, device=engine.device,
                           enabled=metrics is not None and engine.is_main, progress="lines")
+    telemetry.items = getattr(objective, "items", "tokens")  # tokens/s, or sequences/s
     try:
         state = fit(model, Epochs(train), objective=objective, optimizer=optimizer, scheduler=scheduler,
                     precision=precision, accumulation=Accumulation(accum_steps), engine=engine,

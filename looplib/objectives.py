@@ -30,6 +30,8 @@ class TokenCrossEntropy:
     """Next-token language modelling: batch = {"input_ids", "labels"}; labels equal to
     ``ignore_index`` (padding, prompt tokens) carry no loss and are not counted."""
 
+    items = "tokens"   # what count() counts: telemetry's throughput is <items>_per_s
+
     def __init__(self, ignore_index: int = -100):
         self.ignore_index = ignore_index
         self.accepted = weakref.WeakKeyDictionary()   # model -> the optional inputs its forward takes
@@ -64,12 +66,30 @@ class TokenCrossEntropy:
 
 
 class SequenceCrossEntropy(TokenCrossEntropy):
-    """Classification of whole sequences: batch = {"input_ids", "labels"[, "attention_mask"]}."""
+    """Classification of whole sequences: batch = {"input_ids", "labels"[, "attention_mask"]}.
+
+    Its items are sequences (throughput in sequences/s); in evaluation (no gradients) it also
+    counts correct predictions on the device, read once by ``eval_metrics`` (accuracy)."""
+
+    items = "sequences"
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__(ignore_index)
+        self.correct, self.seen = 0, 0
 
     def __call__(self, model, batch) -> torch.Tensor:
         logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
-        return F.cross_entropy(logits.float(), batch["labels"], ignore_index=self.ignore_index,
-                               reduction="sum")
+        labels = batch["labels"]
+        if not torch.is_grad_enabled():  # evaluation: tally accuracy (device tensors, no sync)
+            counted = labels != self.ignore_index
+            self.correct = self.correct + ((logits.argmax(-1) == labels) & counted).sum()
+            self.seen = self.seen + counted.sum()
+        return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
+
+    def eval_metrics(self) -> dict:
+        """Accuracy over the sequences evaluated since the last call (then reset)."""
+        correct, seen, self.correct, self.seen = self.correct, self.seen, 0, 0
+        return {"eval_accuracy": float(correct) / max(float(seen), 1.0)}
 
 
 def accepted_inputs(model: nn.Module) -> frozenset:
