@@ -6,7 +6,6 @@ as a device tensor and read (``.item()``, a host-device sync) once per ``log_eve
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import resource
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .loggers import JsonLines, Logger, Run
 
 log = logging.getLogger("looplib")
 
@@ -94,12 +95,18 @@ class Telemetry:
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
-                 flops_per_sample: float | None = None, peak_flops: float | None = None):
+                 flops_per_sample: float | None = None, peak_flops: float | None = None,
+                 logger: Logger | None = None, run: Run | None = None):
+        """``logger`` (looplib.loggers): trackers that get every row too, started with ``run``
+        and finished by ``finish``/``close``; only when ``enabled`` (rank 0)."""
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
         self._data, self._wait0 = None, 0.0
         self.path, self.log_every, self.total = path, max(1, log_every), total_steps
         self.device, self.enabled = torch.device(device), enabled
-        self.file = open(path, "a", buffering=1) if (path and enabled) else None
+        self.jsonl = JsonLines(path) if (path and enabled) else Logger()
+        self.logger = (logger or Logger()) if enabled else Logger()
+        self.logger.start(run or Run(Path(path).parent if path else Path.cwd(), {}, "run"))
+        self._finished = False
         self.bar = None
         if enabled and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
@@ -197,11 +204,18 @@ class Telemetry:
 
     def write(self, row: dict) -> None:
         self.last_row.update(row)
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
+        self.jsonl.log(row)
+        self.logger.log(row)
+
+    def finish(self, status: str = "finished", artefacts: dict[str, str] | None = None) -> None:
+        """End the trackers' run: ``finished``/``preempted``/``failed``, with the artefacts' paths."""
+        if not self._finished:
+            self._finished = True
+            self.logger.finish(status, artefacts or {})
 
     def close(self) -> None:
+        """Close the bar and metrics.jsonl; trackers not finished yet end as ``failed``."""
         if self.bar is not None:
             self.bar.close()
-        if self.file is not None:
-            self.file.close()
+        self.jsonl.finish()
+        self.finish("failed")
