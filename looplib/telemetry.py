@@ -31,6 +31,25 @@ def host_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def reset_peak_memory(device: torch.device) -> str:
+    """Start this job's memory peaks: a sweep (``-m``) runs its jobs one after another in one
+    process, where a process-wide peak only ever rises in job order. Returns what
+    ``peak_mem_mb`` then measures, in words (the first row of metrics.jsonl carries it)."""
+    try:  # Linux: "5" resets the peak RSS (VmHWM, and getrusage's ru_maxrss) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+        host = True
+    except OSError:
+        host = False
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return ("GPU memory allocated by torch tensors, peak during this job (torch.cuda.max_memory_allocated; "
+                "without the CUDA context and the allocator's cached blocks)")
+    if host:
+        return ("process resident memory (RSS), peak during this job (the peak is reset when the job starts; "
+                "it includes what the process already held: Python, torch, the libraries)")
+    return "process resident memory (RSS), peak since the process began (could not be reset per job)"
+
+
 def device_uuid(device: torch.device) -> str | None:
     """The NVML name of a CUDA device. torch numbers devices after CUDA_VISIBLE_DEVICES and NVML
     does not, so the device is found by its UUID, never by its index."""
@@ -118,6 +137,7 @@ class Telemetry:
         self._t0 = self._t_start = time.perf_counter()
         self.last_row: dict = {}
         self.resumed_from: int | None = None  # marks the first row after a resume
+        self._memory = reset_peak_memory(self.device) if enabled else None  # said once, in the first row
 
     def watch(self, optimizer: torch.optim.Optimizer, data=None) -> None:
         """Count real updates with an optimizer hook: no sync needed to know a step was skipped.
@@ -168,6 +188,8 @@ class Telemetry:
             row["grad_norm"] = float(grad_norm)
         if self.resumed_from is not None:
             row["resumed_from"], self.resumed_from = self.resumed_from, None
+        if self._memory:
+            row["peak_mem_measures"], self._memory = self._memory, None
         row.update(self._extra(dt))
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()

@@ -28,7 +28,7 @@ def by_key(metrics: list[dict]) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     for row in metrics:
         for key, value in row.items():
-            if key != "step":
+            if key != "step" and isinstance(value, (int, float)):  # trackers take numbers
                 out.setdefault(key, {})[row["step"]] = value
     return out
 
@@ -92,7 +92,7 @@ def wandb_history(records) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            items = {i.key: json.loads(i.value_json) for i in r.history.item}
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             for key, value in items.items():
                 if not key.startswith("_"):
                     out.setdefault(key, []).append((items["_step"], value))
