@@ -184,10 +184,11 @@ def label(job: Job, varying: list[str]) -> str:
     return "\n".join(f"{k.lstrip('+')}={job.overrides.get(k, '')}" for k in varying) or job.name
 
 
-def chart(jobs: list[Job], path: Path) -> None:
+def chart(jobs: list[Job], path: Path) -> dict:
     """One point per job for throughput (with its min-max range), peak memory, final losses and,
     in classification sweeps, accuracy, on axes that start near the data; below them the loss
-    curves (training solid, held-out dashed) of every job against step. Agg backend."""
+    curves (training solid, held-out dashed) of every job against step. Agg backend. Returns
+    what it drew: each panel's y limits by metric, and the curves' labels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -205,6 +206,7 @@ def chart(jobs: list[Job], path: Path) -> None:
     grid = fig.add_gridspec(len(panels) + 2, 1)
     plain = FuncFormatter(lambda v, _: f"{v:,.6g}")  # 6.21, 1,250: no offsets, no scientific notation
     x = list(range(len(jobs)))
+    drawn: dict = {"ylim": {}, "curves": []}
     for row, (key, title) in enumerate(panels):
         ax = fig.add_subplot(grid[row, 0])
         points = [(i, job.metrics.get(key)) for i, job in enumerate(jobs) if job.metrics.get(key) is not None]
@@ -230,6 +232,7 @@ def chart(jobs: list[Job], path: Path) -> None:
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_xlim(-0.5, len(jobs) - 0.5)
         ax.grid(axis="y", alpha=0.3)
+        drawn["ylim"][key] = ax.get_ylim()
     ax = fig.add_subplot(grid[len(panels):, 0])
     for i, job in enumerate(jobs):
         name = labels[i].replace("\n", " ")
@@ -246,6 +249,8 @@ def chart(jobs: list[Job], path: Path) -> None:
         ax.legend(fontsize=7, ncol=2 if len(jobs) > 4 else 1, loc="best")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    drawn["curves"] = [line.get_label() for line in ax.lines]
+    return drawn
 
 
 def near_data(ax, values: list[float]) -> None:

@@ -5,6 +5,7 @@ as a device tensor and read (``.item()``, a host-device sync) once per ``log_eve
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -126,9 +127,14 @@ class Telemetry:
         self.logger = (logger or Logger()) if enabled else Logger()
         self.logger.start(run or Run(Path(path).parent if path else Path.cwd(), {}, "run"))
         self._finished = False
-        self.bar = None
+        self.bar, self._redirect = None, contextlib.ExitStack()
         if enabled and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+            # Log lines (Hydra prints them to stdout) go above the bar, not through it.
+            consoles = [lg for lg in (logging.getLogger(), log) if any(
+                isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in lg.handlers)]
+            self._redirect.enter_context(logging_redirect_tqdm(consoles))
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         self.optimizer_steps = 0      # real optimizer updates (a skipped fp16 step is not one)
         self.boundaries = 0           # accumulation windows closed
@@ -220,9 +226,8 @@ class Telemetry:
     def eval(self, step: int, loss: float) -> None:
         ppl = math.exp(loss) if loss < 50 else float("inf")
         self.write({"step": step, "eval_loss": loss, "eval_perplexity": ppl})
-        msg = f"step {step}: eval loss {loss:.4f}, perplexity {ppl:.2f}"
-        if self.enabled:
-            (self.bar.write if self.bar is not None else log.info)(msg)
+        if self.enabled:  # through logging, so train.log has it too; above the bar on a terminal
+            log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, ppl)
 
     def write(self, row: dict) -> None:
         self.last_row.update(row)
@@ -239,5 +244,7 @@ class Telemetry:
         """Close the bar and metrics.jsonl; trackers not finished yet end as ``failed``."""
         if self.bar is not None:
             self.bar.close()
-        self.jsonl.finish()
+            self.bar = None
+        self._redirect.close()
+        self.jsonl.finish("finished", {})
         self.finish("failed")

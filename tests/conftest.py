@@ -45,3 +45,19 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "loopl
 def token_cache(tmp_path_factory) -> str:
     """One tokenizer cache for every CLI test of the session."""
     return str(os.environ.get("LOOPLIB_CACHE") or tmp_path_factory.mktemp("cache"))
+
+
+TRACKED_SWEEP = ["-m", "+optim=adamw,sgd", "+logger=[tensorboard,mlflow,wandb]", "data=random", "batch_size=2",
+                 "model.n_layer=1", "log_every=1", "max_steps=4", "eval_every=2", "eval_batches=1", "sample_tokens=0"]
+
+
+@pytest.fixture(scope="session")
+def tracked_sweep(tmp_path_factory) -> Path:
+    """A two-job sweep (+optim=adamw,sgd) with every tracker: tests/test_loggers.py reads the
+    trackers back, tests/test_report.py reports on it (one sweep for both: CI time)."""
+    for module in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(module)
+    root = tmp_path_factory.mktemp("tracked_sweep")
+    r = run_cli(*TRACKED_SWEEP, f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    return root / "sweep"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import TRACKED_SWEEP, run_cli
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("mlflow")
@@ -176,22 +176,26 @@ def test_trackers_hold_the_config_and_the_artefacts(resumed):
     assert summary["model"] == str(run_dir / "model.safetensors") and summary["run_dir"] == str(run_dir)
 
 
-def test_a_sweep_is_one_experiment_one_group_one_folder(tmp_path):
-    sweep = tmp_path / "sweep"
-    r = run_cli("-m", "+optim=adamw,sgd", ALL, *TINY, "max_steps=2", "eval_every=0", f"hydra.sweep.dir={sweep}",
-                cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_a_sweep_is_one_experiment_one_group_one_folder(tracked_sweep):
+    sweep = tracked_sweep
     jobs = [sweep / "0", sweep / "1"]
     for job in jobs:  # TensorBoard: one folder per job under the sweep's folder
         tb, _ = tensorboard_scalars(job)
-        assert [s for s, _ in tb["loss"]] == [1, 2]
-    client = mlflow_client(sweep)
+        want = by_key(rows(job))
+        assert [s for s, _ in tb["loss"]] == sorted(want["loss"]) == [1, 2, 3, 4]
+        assert [s for s, _ in tb["eval_loss"]] == sorted(want["eval_loss"]) == [2, 4]
+    client = mlflow_client(sweep)  # one store in the sweep directory, one experiment for the sweep
     [experiment] = [e for e in client.search_experiments() if e.name != "Default"]
     assert experiment.name == str(sweep)
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_id for r in runs) == sorted(json.loads((j / "trackers.json").read_text())["mlflow"]
                                                          for j in jobs)
-    assert sorted(r.info.run_name for r in runs)[0].startswith("0: +optim=adamw")
+    assert sorted(r.info.run_name for r in runs) == [
+        "0: +optim=adamw +logger=[tensorboard,mlflow,wandb] " + " ".join(TRACKED_SWEEP[3:]),
+        "1: +optim=sgd +logger=[tensorboard,mlflow,wandb] " + " ".join(TRACKED_SWEEP[3:])]
+    for run, job in zip(sorted(runs, key=lambda r: r.info.run_name), jobs):
+        got = mlflow_history(client, run.info.run_id, ["loss"])["loss"]
+        assert got == pytest.approx(sorted(by_key(rows(job))["loss"].items()), rel=1e-6)
     groups = {run.run_group for job in jobs for run in wandb_runs(wandb_records(job))}
     assert groups == {str(sweep)}
 

@@ -34,3 +34,18 @@ def test_metrics_rows_and_throughput(tmp_path):
     assert steps == [1, 3, 4, 4]
     total = sum(r["step_time_s"] * n for r, n in zip(rows, steps))
     assert total <= rows[-1]["elapsed_s"] and total == pytest.approx(rows[-1]["elapsed_s"], rel=0.1)
+
+
+def test_each_job_gets_its_own_memory_peak(tmp_path):
+    """A sweep runs its jobs in one process: the peak is reset when a job's Telemetry starts, so a
+    small job after a big one does not inherit the big one's peak (CPU: the process's peak RSS)."""
+    import torch
+
+    from looplib.telemetry import peak_memory_mb
+    big = torch.ones(400 * 2**20 // 4)  # 400 MB, touched
+    del big
+    before = peak_memory_mb(torch.device("cpu"))
+    telemetry = Telemetry(tmp_path / "m.jsonl", progress="lines")
+    assert "peak during this job" in telemetry._memory
+    assert peak_memory_mb(torch.device("cpu")) < before - 300
+    telemetry.close()
