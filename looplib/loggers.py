@@ -319,7 +319,14 @@ def build(cfg) -> Logger:
     if "_target_" in node:
         raise ConfigError("logger", "the logger config names a class at its top",
                           "name each logger: +logger.NAME._target_=package.Class (or +logger=tensorboard)")
-    return Loggers(*(instantiate(node, name) for name in node))
+    built = []
+    for name in node:
+        try:
+            built.append(instantiate(node, name))
+        except ConfigError as err:  # name the setting as the user typed it: logger.<name>...
+            key = err.key if err.key.startswith("logger.") else f"logger.{err.key}"
+            raise ConfigError(key, err.problem, err.fix) from None
+    return Loggers(*built)
 
 
 def logged_steps(metrics: Path) -> dict[str, int]:

@@ -36,6 +36,7 @@ METRICS = [  # column, header, how to format it
     ("tokens_per_s_max", "tokens/s max", "{:,.0f}"),
     ("samples_per_s", "samples/s", "{:,.2f}"),
     ("peak_mem_mb", "peak memory MB", "{:,.0f}"),
+    ("mem_rise_mb", "rise in job MB", "{:,.0f}"),
     ("skipped_steps", "skipped steps", "{:d}"),
 ]
 
@@ -77,6 +78,9 @@ def summarise(rows: list[dict]) -> dict:
     def median(key):
         return statistics.median(values(key)) if values(key) else None
 
+    peak = max((r.get("peak_mem_mb", 0) for r in train), default=None)
+    start = next((r["mem_at_start_mb"] for r in train if "mem_at_start_mb" in r), None)
+
     return {
         "steps": train[-1]["step"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
@@ -86,7 +90,8 @@ def summarise(rows: list[dict]) -> dict:
         "tokens_per_s_min": min(values("tokens_per_s"), default=None),
         "tokens_per_s_max": max(values("tokens_per_s"), default=None),
         "samples_per_s": median("samples_per_s"),
-        "peak_mem_mb": max((r.get("peak_mem_mb", 0) for r in train), default=None),
+        "peak_mem_mb": peak,
+        "mem_rise_mb": peak - start if peak is not None and start is not None else None,
         "skipped_steps": train[-1].get("skipped_steps") if train else None,
     }
 
@@ -168,6 +173,9 @@ def markdown(jobs: list[Job], sweep: Path) -> str:
     for text, names in measures.items():
         who = "every job" if len(measures) == 1 else "jobs " + ", ".join(names)
         lines.append(f"peak memory MB ({who}): {text}.")
+    if any(job.metrics.get("mem_rise_mb") is not None for job in jobs):
+        lines.append("rise in job MB: the peak minus the same measure when the job's metrics began (after "
+                     "its model was built): what the job's training and evaluation added.")
     return "\n".join(lines) + "\n"
 
 
@@ -198,13 +206,13 @@ def chart(jobs: list[Job], path: Path) -> dict:
     labels = [label(job, varying) for job in jobs]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
     panels = [("tokens_per_s", "tokens/s: median, min-max (higher is better)"),
-              ("peak_mem_mb", "peak memory MB (lower is better)"), ("final_loss", "final loss: training o, held-out x")]
+              ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"), ("final_loss", "final loss: training o, held-out x")]
     if any(job.metrics.get("eval_accuracy") is not None for job in jobs):
         panels.append(("eval_accuracy", "held-out accuracy (higher is better)"))
     width = max(8.0, 1.0 * len(jobs) + 3)
     fig = plt.figure(figsize=(width, 3.0 * len(panels) + 4.5), constrained_layout=True)
     grid = fig.add_gridspec(len(panels) + 2, 1)
-    plain = FuncFormatter(lambda v, _: f"{v:,.6g}")  # 6.21, 1,250: no offsets, no scientific notation
+    ticks = FuncFormatter(lambda v, _: plain(v, tick=True))  # 6.21, 1250: no offsets, no scientific notation
     x = list(range(len(jobs)))
     drawn: dict = {"ylim": {}, "curves": []}
     for row, (key, title) in enumerate(panels):
@@ -212,7 +220,7 @@ def chart(jobs: list[Job], path: Path) -> dict:
         points = [(i, job.metrics.get(key)) for i, job in enumerate(jobs) if job.metrics.get(key) is not None]
         for i, value in points:
             ax.plot(i, value, "o", color=colors[i], markersize=7)
-            ax.annotate(fmt(value, "{:,.4g}"), (i, value), textcoords="offset points", xytext=(8, 0),
+            ax.annotate(plain(value), (i, value), textcoords="offset points", xytext=(8, 0),
                         va="center", fontsize=8)
         spread = list(points)
         if key == "tokens_per_s":  # the range over the job's logged intervals
@@ -227,7 +235,7 @@ def chart(jobs: list[Job], path: Path) -> dict:
                     ax.plot(i, job.metrics["eval_loss"], "x", color=colors[i], markersize=8)
                     spread.append((i, job.metrics["eval_loss"]))
         near_data(ax, [v for _, v in spread])
-        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_formatter(ticks)
         ax.set_title(title, fontsize=10)
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_xlim(-0.5, len(jobs) - 0.5)
@@ -243,7 +251,7 @@ def chart(jobs: list[Job], path: Path) -> dict:
     ax.set_title("loss against step: training solid, held-out dashed", fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(ticks)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7, ncol=2 if len(jobs) > 4 else 1, loc="best")
@@ -251,6 +259,16 @@ def chart(jobs: list[Job], path: Path) -> dict:
     plt.close(fig)
     drawn["curves"] = [line.get_label() for line in ax.lines]
     return drawn
+
+
+def plain(value: float, tick: bool = False) -> str:
+    """Numbers as people write them: 12250 and 470 (no 1.225e+04; no thousands comma, which small
+    chart type makes look like a decimal point), 6.2655, 0.75."""
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if tick:
+        return f"{value:.6g}"
+    return f"{value:.4f}" if abs(value) >= 1 else f"{value:.4g}"
 
 
 def near_data(ax, values: list[float]) -> None:

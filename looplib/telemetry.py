@@ -35,7 +35,8 @@ def host_peak_rss_mb() -> float:
 def reset_peak_memory(device: torch.device) -> str:
     """Start this job's memory peaks: a sweep (``-m``) runs its jobs one after another in one
     process, where a process-wide peak only ever rises in job order. Returns what
-    ``peak_mem_mb`` then measures, in words (the first row of metrics.jsonl carries it)."""
+    ``peak_mem_mb`` then measures, in words (the first row of metrics.jsonl carries it, with
+    ``mem_at_start_mb``: the same measure's value at the reset, so peak minus it is the job's rise)."""
     try:  # Linux: "5" resets the peak RSS (VmHWM, and getrusage's ru_maxrss) to the current RSS
         Path("/proc/self/clear_refs").write_text("5")
         host = True
@@ -144,6 +145,7 @@ class Telemetry:
         self.last_row: dict = {}
         self.resumed_from: int | None = None  # marks the first row after a resume
         self._memory = reset_peak_memory(self.device) if enabled else None  # said once, in the first row
+        self._mem_at_start = round(peak_memory_mb(self.device), 1) if enabled else None
 
     def watch(self, optimizer: torch.optim.Optimizer, data=None) -> None:
         """Count real updates with an optimizer hook: no sync needed to know a step was skipped.
@@ -196,6 +198,7 @@ class Telemetry:
             row["resumed_from"], self.resumed_from = self.resumed_from, None
         if self._memory:
             row["peak_mem_measures"], self._memory = self._memory, None
+            row["mem_at_start_mb"] = self._mem_at_start
         row.update(self._extra(dt))
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()

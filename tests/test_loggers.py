@@ -194,8 +194,9 @@ def test_a_sweep_is_one_experiment_one_group_one_folder(tracked_sweep):
         "0: +optim=adamw +logger=[tensorboard,mlflow,wandb] " + " ".join(TRACKED_SWEEP[3:]),
         "1: +optim=sgd +logger=[tensorboard,mlflow,wandb] " + " ".join(TRACKED_SWEEP[3:])]
     for run, job in zip(sorted(runs, key=lambda r: r.info.run_name), jobs):
-        got = mlflow_history(client, run.info.run_id, ["loss"])["loss"]
-        assert got == pytest.approx(sorted(by_key(rows(job))["loss"].items()), rel=1e-6)
+        got, want = mlflow_history(client, run.info.run_id, ["loss"])["loss"], by_key(rows(job))["loss"]
+        assert [s for s, _ in got] == sorted(want)
+        assert [v for _, v in got] == pytest.approx([want[s] for s in sorted(want)], rel=1e-6)
     groups = {run.run_group for job in jobs for run in wandb_runs(wandb_records(job))}
     assert groups == {str(sweep)}
 
@@ -212,3 +213,14 @@ def test_a_missing_tracker_is_refused_in_one_line(tmp_path):
         "(No module named wandb); "
         "pip install 'looplib[wandb]', or leave out +logger=wandb"]
     assert not (tmp_path / "run").exists()
+
+
+def test_several_options_and_your_own_compose_side_by_side():
+    from hydra import compose, initialize_config_module
+
+    from looplib import loggers
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+logger=[tensorboard,mlflow]",
+                                                       "+logger.mine._target_=looplib.loggers.Logger"])
+    assert list(cfg.logger) == ["tensorboard", "mlflow", "mine"]
+    assert [type(x).__name__ for x in loggers.build(cfg).loggers] == ["TensorBoard", "MLflow", "Logger"]
