@@ -59,7 +59,8 @@ result = train_model(model, data, max_steps=30, batch_size=8, accum_steps=2, pre
 print(first, result.eval_loss)
 assert result.eval_loss < first - 0.2, (first, result.eval_loss)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("hydra", "omegaconf", "peft", "transformers",
-                                                              "matplotlib", "bitsandbytes"))
+                                                              "matplotlib", "bitsandbytes", "tensorboard",
+                                                              "mlflow", "wandb"))
 assert not heavy, heavy
 print("ok")
 """
