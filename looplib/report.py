@@ -174,8 +174,8 @@ def markdown(jobs: list[Job], sweep: Path) -> str:
         who = "every job" if len(measures) == 1 else "jobs " + ", ".join(names)
         lines.append(f"peak memory MB ({who}): {text}.")
     if any(job.metrics.get("mem_rise_mb") is not None for job in jobs):
-        lines.append("rise in job MB: the peak minus the same measure when the job's metrics began (after "
-                     "its model was built): what the job's training and evaluation added.")
+        lines.append("rise in job MB: the peak minus the same measure when the job's training began (after "
+                     "its model was built): what its training and evaluation added.")
     return "\n".join(lines) + "\n"
 
 

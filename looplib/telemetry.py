@@ -6,7 +6,9 @@ as a device tensor and read (``.item()``, a host-device sync) once per ``log_eve
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import gc
 import logging
 import math
 import resource
@@ -37,6 +39,11 @@ def reset_peak_memory(device: torch.device) -> str:
     process, where a process-wide peak only ever rises in job order. Returns what
     ``peak_mem_mb`` then measures, in words (the first row of metrics.jsonl carries it, with
     ``mem_at_start_mb``: the same measure's value at the reset, so peak minus it is the job's rise)."""
+    gc.collect()  # the previous job's objects, then its freed heap pages back to the OS (glibc keeps
+    try:          # them otherwise, and this job would start from the last one's peak and reuse them unseen)
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     try:  # Linux: "5" resets the peak RSS (VmHWM, and getrusage's ru_maxrss) to the current RSS
         Path("/proc/self/clear_refs").write_text("5")
         host = True
@@ -47,8 +54,9 @@ def reset_peak_memory(device: torch.device) -> str:
         return ("GPU memory allocated by torch tensors, peak during this job (torch.cuda.max_memory_allocated; "
                 "without the CUDA context and the allocator's cached blocks)")
     if host:
-        return ("process resident memory (RSS), peak during this job (the peak is reset when the job starts; "
-                "it includes what the process already held: Python, torch, the libraries)")
+        return ("process resident memory (RSS), peak during this job (the peak is reset when the job starts, "
+                "after freed memory is handed back to the OS; it includes what the process still holds: Python, "
+                "torch, the libraries, the job's model)")
     return "process resident memory (RSS), peak since the process began (could not be reset per job)"
 
 
