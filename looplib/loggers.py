@@ -157,7 +157,8 @@ def need(module: str, extra: str, option: str):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ConfigError(f"logger.{option}", f"+logger={option} needs the {module} package, which does not import ({err})",
+        raise ConfigError(f"logger.{option}",
+                          f"+logger={option} needs the {module} package, which does not import ({err})",
                           f"pip install 'looplib[{extra}]', or leave out +logger={option}") from None
 
 

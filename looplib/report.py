@@ -206,7 +206,8 @@ def chart(jobs: list[Job], path: Path) -> dict:
     labels = [label(job, varying) for job in jobs]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
     panels = [("tokens_per_s", "tokens/s: median, min-max (higher is better)"),
-              ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"), ("final_loss", "final loss: training o, held-out x")]
+              ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"),
+              ("final_loss", "final loss: training o, held-out x")]
     if any(job.metrics.get("eval_accuracy") is not None for job in jobs):
         panels.append(("eval_accuracy", "held-out accuracy (higher is better)"))
     width = max(8.0, 1.0 * len(jobs) + 3)
