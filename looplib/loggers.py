@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .schema import Positive
 
 log = logging.getLogger("looplib")
 IDS = "trackers.json"  # in the run directory: each tracker's run id, for resumed runs
@@ -169,10 +170,7 @@ class TensorBoard(Tracker):
     files are purged from the checkpoint's next step on, so the resumed rows replace them."""
     name = "tensorboard"
 
-    def __init__(self, flush_secs: int = 30):
-        if flush_secs < 1:
-            raise ConfigError("logger.tensorboard.flush_secs", f"flush_secs={flush_secs} must be at least 1",
-                              "e.g. logger.tensorboard.flush_secs=30")
+    def __init__(self, flush_secs: Positive[int] = 30):
         self.flush_secs = flush_secs
         need("tensorboard", "tensorboard", "tensorboard")
         self.writer = None
@@ -312,8 +310,12 @@ class WandB(Tracker):
 # ---- building them from the config (train.py) ----
 
 def build(cfg) -> Logger:
-    """The loggers the config's ``logger`` node names (``{option: {_target_: ...}}``), as one."""
-    from .build import instantiate
+    """The loggers the config's ``logger`` node names (``{option: {_target_: ...}}``), as one.
+    Each one's keys are checked against its class's signature first (``looplib.schema``)."""
+    from omegaconf import OmegaConf
+
+    from .build import instantiate, locate, resolved
+    from .schema import check_options
     node = cfg.get("logger")
     if node is None:
         return Loggers()
@@ -322,6 +324,12 @@ def build(cfg) -> Logger:
                           "name each logger: +logger.NAME._target_=package.Class (or +logger=tensorboard)")
     built = []
     for name in node:
+        options = resolved(node, name) if OmegaConf.is_dict(node[name]) else None
+        if not options or "_target_" not in options:
+            raise ConfigError(f"logger.{name}", f"logger.{name} names no class",
+                              f"+logger.{name}._target_=package.Class, or +logger=tensorboard|mlflow|wandb")
+        target = locate(f"logger.{name}", options["_target_"])
+        check_options(f"logger.{name}.", target, options, f"from +logger={name}")
         try:
             built.append(instantiate(node, name))
         except ConfigError as err:  # name the setting as the user typed it: logger.<name>...

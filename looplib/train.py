@@ -57,15 +57,16 @@ class Job:
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
+    trackers = loggers.build(cfg)  # +logger= choices: keys checked, libraries imported (a missing one: ConfigError)
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     engine.check(settings, precision, job.optim)
+    job.logger = trackers
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
-    job.logger = loggers.build(cfg)  # imports the chosen trackers (a missing one: ConfigError)
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
