@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..schema import Positive
 from . import launch
 from .local import Engine, Prepared, resolve_device, write_safetensors
 
@@ -81,7 +82,7 @@ class FSDP(Engine):
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,
                  offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",
-                 timeout_s: int = 1800):
+                 timeout_s: Positive[float] = 1800):
         from ..checkpointing import ActivationCheckpointing
         self.device = launch.process_device(resolve_device(str(device)))
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s
