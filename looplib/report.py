@@ -36,7 +36,7 @@ METRICS = [  # column, header, how to format it
     ("tokens_per_s_max", "tokens/s max", "{:,.0f}"),
     ("samples_per_s", "samples/s", "{:,.2f}"),
     ("peak_mem_mb", "peak memory MB", "{:,.0f}"),
-    ("mem_rise_mb", "rise in job MB", "{:,.0f}"),
+    ("mem_rise_mb", "rise in job MB", "{:,.1f}"),
     ("skipped_steps", "skipped steps", "{:d}"),
 ]
 
@@ -204,6 +204,8 @@ def chart(jobs: list[Job], path: Path) -> dict:
 
     varying, _ = split_overrides(jobs)
     labels = [label(job, varying) for job in jobs]
+    if len(set(labels)) < len(labels):  # the same overrides twice (a repeat): the job's folder tells them apart
+        labels = [f"{job.name}: {text}" for job, text in zip(jobs, labels)]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
     panels = [("tokens_per_s", "tokens/s: median, min-max (higher is better)"),
               ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"),
