@@ -56,11 +56,13 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
                 evaluation: Evaluation | None = None, eval_dataset: Dataset | None = None,
                 eval_every: int = 0, eval_batches: int = 8, max_grad_norm: float | None = 1.0,
                 device: str = "auto", seed: int = 0, metrics: str | Path | None = None,
-                log_every: int = 10, engine: Engine | None = None, progress: str = "auto",
+                log_every: int = 10, engine: Engine | None = None, collate_fn=None, progress: str = "auto",
                 logger: Logger | None = None) -> Trained:
     """Set the pieces up in the order the CLI does (device, precision, adapter, compile,
-    optimizer, schedule, loaders) and run ``looplib.fit``. ``progress``: auto (a bar on a
-    terminal), bar or lines; ``logger``: trackers (``looplib.loggers``), rank 0 only."""
+    optimizer, schedule, loaders) and run ``looplib.fit``. ``collate_fn``: a corpus's
+    ``collate`` for samples of different lengths (``looplib.data.InstructCorpus``).
+    ``progress``: auto (a bar on a terminal), bar or lines; ``logger``: trackers
+    (``looplib.loggers``), rank 0 only."""
     speak()
     engine = engine or Engine(device)
     precision = precision or Precision()
@@ -71,10 +73,11 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
     optimizer = (optim or AdamW()).build(model)  # the command line's defaults (looplib.optim.LR, ...)
     scheduler = (schedule or Schedule()).build(optimizer, max_steps)
     train = build_loader(dataset, batch_size=batch_size, seed=seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size)
+                         rank=engine.rank, world=engine.world_size, collate_fn=collate_fn)
     held_out = None
     if eval_dataset is not None:
-        loader = build_loader(eval_dataset, batch_size=batch_size, seed=seed, shuffle=False, device=engine.device)
+        loader = build_loader(eval_dataset, batch_size=batch_size, seed=seed, shuffle=False, device=engine.device,
+                              collate_fn=collate_fn)
         held_out = [b for _, b in zip(range(eval_batches), loader)]
     if metrics is not None and engine.is_main:
         metrics = fresh_file(Path(metrics))
@@ -86,6 +89,7 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
     telemetry = Telemetry(metrics, log_every=log_every, total_steps=max_steps, device=engine.device,
                           enabled=engine.is_main, progress=progress, logger=logger,
                           run=Run(run_dir, settings, run_dir.name or "looplib"))
+    telemetry.items = getattr(objective, "items", "tokens")  # tokens/s, or sequences/s
     try:
         state = fit(model, Epochs(train), objective=objective, optimizer=optimizer, scheduler=scheduler,
                     precision=precision, accumulation=Accumulation(accum_steps), engine=engine,
