@@ -60,7 +60,7 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
                 logger: Logger | None = None) -> Trained:
     """Set the pieces up in the order the CLI does (device, precision, adapter, compile,
     optimizer, schedule, loaders) and run ``looplib.fit``. ``collate_fn``: a corpus's
-    ``collate`` for samples of different lengths (``looplib.data.InstructCorpus``).
+    ``collate`` for samples of different lengths (``looplib.data.InstructCorpus``);
     ``progress``: auto (a bar on a terminal), bar or lines; ``logger``: trackers
     (``looplib.loggers``), rank 0 only."""
     speak()
