@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .errors import ConfigError
+
 
 class TokenCrossEntropy:
     """Next-token language modelling: batch = {"input_ids", "labels"}; labels equal to
@@ -41,3 +43,137 @@ class SequenceCrossEntropy(TokenCrossEntropy):
         logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
         return F.cross_entropy(logits.float(), batch["labels"], ignore_index=self.ignore_index,
                                reduction="sum")
+
+
+class ChunkedTokenCrossEntropy(TokenCrossEntropy):
+    """``loss=lm_chunked``: next-token cross-entropy that never holds the whole logits tensor.
+
+    The model returns its final hidden states (``model(input_ids, hidden_only=True)``) and the
+    loss applies the output projection (``lm_head``) ``chunk_size`` tokens at a time: each
+    chunk's logits are made, turned into that chunk's loss and its gradients with respect to
+    the hidden states and the head, and dropped (the fused linear + cross-entropy of Liger
+    Kernel, written on PyTorch). Peak memory for the logits falls from tokens x vocab (in fp32
+    and in the autocast dtype, kept for backward) to chunk_size x vocab; the matmuls are the
+    plain loss's (one forward, two backward), so nothing is recomputed. Summed and counted like
+    ``loss=lm`` (labels equal to ``ignore_index`` carry no loss and no gradient).
+
+    The model must take ``hidden_only=True`` and expose ``lm_head`` (an ``nn.Linear``): the
+    bundled GPT does, and so does ``looplib.hf.CausalLM`` (its ``get_output_embeddings()``).
+    """
+
+    def __init__(self, ignore_index: int = -100, chunk_size: int = 1024):
+        super().__init__(ignore_index)
+        if chunk_size < 1:
+            raise ConfigError("loss.chunk_size", f"chunk_size={chunk_size} must be at least 1",
+                              "use e.g. loss.chunk_size=1024 (tokens per chunk)")
+        self.chunk_size = chunk_size
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        hidden = model(batch["input_ids"], hidden_only=True)  # through any wrapper: DDP hooks, compile
+        head, vocab = output_head(model)
+        return linear_cross_entropy(hidden.flatten(0, -2), head.weight, head.bias, batch["labels"].flatten(),
+                                    vocab, self.ignore_index, self.chunk_size)
+
+
+class LigerTokenCrossEntropy(ChunkedTokenCrossEntropy):
+    """``loss=lm_liger``: the same computation with Liger Kernel's fused linear + cross-entropy
+    (Triton kernels, CUDA only; ``pip install 'looplib[liger]'``, imported only when chosen)."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__(ignore_index)
+        if not torch.cuda.is_available():
+            raise ConfigError("loss", "loss=lm_liger needs a CUDA GPU (liger-kernel's kernels are Triton)",
+                              "use loss=lm_chunked (the same loss on PyTorch, any device)")
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError as err:
+            raise ConfigError("loss", f"loss=lm_liger needs liger-kernel, which does not import ({err})",
+                              "pip install 'looplib[liger]', or use loss=lm_chunked") from None
+        self.fused = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="sum")
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        hidden = model(batch["input_ids"], hidden_only=True)
+        head, vocab = output_head(model)
+        if hidden.device.type != "cuda":
+            raise ConfigError("loss", f"loss=lm_liger needs a CUDA device, the model is on {hidden.device}",
+                              "use loss=lm_chunked, or device=cuda")
+        bias = None if head.bias is None else head.bias[:vocab]
+        return self.fused(head.weight[:vocab], hidden.flatten(0, -2), batch["labels"].flatten(), bias)
+
+
+def output_head(model) -> tuple[torch.nn.Linear, int]:
+    """The model's ``lm_head`` (through DDP / DeepSpeed / PEFT wrappers) and the number of real
+    vocabulary entries (rows past it are padding: ``GPT(pad_vocab_to=...)``)."""
+    inner = model
+    while not hasattr(inner, "lm_head"):
+        nested = getattr(inner, "module", None)  # DistributedDataParallel, DeepSpeedEngine
+        if nested is None:
+            raise ConfigError("loss", f"{type(model).__name__} has no lm_head (the output projection) for a "
+                              "chunked loss", "use loss=lm, or give the model an lm_head and hidden_only=True")
+        inner = nested
+    head = inner.lm_head
+    return head, int(getattr(inner, "vocab_size", head.weight.shape[0]))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         labels: torch.Tensor, vocab: int | None = None, ignore_index: int = -100,
+                         chunk_size: int = 1024) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias)[:, :vocab].float(), labels, reduction="sum")``
+    without the (rows x vocab) logits: ``chunk_size`` rows at a time."""
+    # which gradients to make: decided here, since autograd runs Function.forward without grad mode
+    wanted = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return LinearCrossEntropy.apply(hidden, weight, bias, labels, vocab or weight.shape[0], ignore_index,
+                                    chunk_size, wanted)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``sum(cross_entropy(hidden @ weight.T + bias, labels))`` over ``vocab`` columns, a chunk of
+    rows at a time. Gradients are made in forward, chunk by chunk, so no chunk's logits outlive
+    it; backward only scales them by the incoming gradient (a scalar)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, vocab: int, ignore_index: int, chunk_size: int, wanted):
+        grad = any(wanted)
+        # under autocast the matmuls run in its dtype, as nn.Linear's would; sums stay in fp32
+        low = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
+        compute = low or hidden.dtype
+        acc = torch.promote_types(compute, torch.float32)  # softmax and sums: fp32 at least
+        w = weight.to(compute)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if wanted[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if wanted[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if wanted[2] else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, y = hidden[start:start + chunk_size].to(compute), labels[start:start + chunk_size]
+            logits = torch.mm(h, w.t())
+            if bias is not None:
+                logits = logits + bias.to(compute)
+            logits = logits[:, :vocab].to(acc)
+            keep = (y != ignore_index)
+            target = torch.where(keep, y, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * keep).sum()
+            if not grad:
+                continue
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs.scatter_add_(1, target[:, None], -torch.ones_like(probs[:, :1]))
+            probs.mul_(keep[:, None])  # ignored rows: no gradient
+            if vocab != weight.shape[0]:
+                probs = F.pad(probs, (0, weight.shape[0] - vocab))  # padded vocabulary rows: zero gradient
+            g = probs.to(compute)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk_size] = torch.mm(g, w)
+            if grad_weight is not None:
+                grad_weight += torch.mm(g.t(), h)
+            if grad_bias is not None:
+                grad_bias += probs.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda g, dtype=None: None if g is None else (g * grad_output).to(dtype or g.dtype)  # noqa: E731
+        return (scale(grad_hidden), scale(grad_weight, ctx.dtypes[0]), scale(grad_bias, ctx.dtypes[1]),
+                None, None, None, None, None)

@@ -67,8 +67,9 @@ def build_job(cfg: DictConfig) -> Job:
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
-    model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
+    model = checkpointing.apply(precision.convert(job.peft.wrap(instantiate(cfg, "model"))))  # fp8: Float8Linear
     job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
+    job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
     return job
@@ -128,6 +129,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
+            if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
+                telemetry.write({"step": state.step, **job.compile.report()})
         finally:
             telemetry.close()
     job.peft.save(job.model, run_dir, engine)  # model.safetensors (every rank: ZeRO-3 gathers) or the adapter
