@@ -135,7 +135,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, vocab: int, ignore_index: int, chunk_size: int, wanted):
         grad = any(wanted)
         # under autocast the matmuls run in its dtype, as nn.Linear's would; sums stay in fp32
-        low = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
+        kind = hidden.device.type
+        low = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
+            torch.is_autocast_enabled(kind) else None
         compute = low or hidden.dtype
         acc = torch.promote_types(compute, torch.float32)  # softmax and sums: fp32 at least
         w = weight.to(compute)
@@ -151,11 +153,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = logits[:, :vocab].to(acc)
             keep = (y != ignore_index)
             target = torch.where(keep, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * keep).sum()
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            # log-sum-exp and softmax in place of the logits (torch.logsumexp would hold a second copy)
+            top = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            total += ((sums.log() + top).squeeze(1) - picked).mul(keep).sum()
             if not grad:
                 continue
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs = logits.div_(sums)  # softmax
             probs.scatter_add_(1, target[:, None], -torch.ones_like(probs[:, :1]))
             probs.mul_(keep[:, None])  # ignored rows: no gradient
             if vocab != weight.shape[0]:
@@ -163,17 +168,24 @@ class LinearCrossEntropy(torch.autograd.Function):
             g = probs.to(compute)
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk_size] = torch.mm(g, w)
-            if grad_weight is not None:
-                grad_weight += torch.mm(g.t(), h)
+            if grad_weight is not None and grad_weight.dtype == compute:
+                grad_weight.addmm_(g.t(), h)  # no (vocab x width) temporary
+            elif grad_weight is not None:
+                grad_weight += torch.mm(g.t(), h)  # autocast: the product in its dtype, summed in fp32
             if grad_bias is not None:
                 grad_bias += probs.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes, ctx.done = (weight.dtype, None if bias is None else bias.dtype), False
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.done:
+            raise RuntimeError("a chunked loss can be backpropagated once (its gradients are scaled in place)")
+        ctx.done = True
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = lambda g, dtype=None: None if g is None else (g * grad_output).to(dtype or g.dtype)  # noqa: E731
-        return (scale(grad_hidden), scale(grad_weight, ctx.dtypes[0]), scale(grad_bias, ctx.dtypes[1]),
-                None, None, None, None, None)
+
+        def scale(g, dtype):  # in place: no second (vocab x width) buffer at the peak
+            return None if g is None else g.mul_(grad_output).to(dtype)
+        return (scale(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None),
+                scale(grad_weight, ctx.dtypes[0]), scale(grad_bias, ctx.dtypes[1]), None, None, None, None, None)
