@@ -117,7 +117,7 @@ class FP8(BF16):
 
     def setup(self, device):
         super().setup(device)
-        fix = "use +precision=bf16 here (fp8 needs a GPU of compute capability >= 8.9: H100, L4, RTX 4090)"
+        fix = "use +precision=bf16 on this device (fp8 runs on H100, L4, RTX 4090 and newer)"
         if self.device.type != "cuda":
             raise ConfigError("precision", f"fp8 needs a CUDA GPU of compute capability >= 8.9, not {self.device}", fix)
         major, minor = torch.cuda.get_device_capability(self.device)

@@ -68,10 +68,13 @@ def build_job(cfg: DictConfig) -> Job:
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = checkpointing.apply(precision.convert(job.peft.wrap(instantiate(cfg, "model"))))  # fp8: Float8Linear
-    job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
-    job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
+    job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
+        # probed eager, before compiling: probing a compiled model with several batch sizes would
+        # leave it a dynamic-shape graph (slower kernels) for the size finally chosen
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
+    job.model = job.compile.wrap(job.model)  # compile last: it sees the final module
+    job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     return job
 
 

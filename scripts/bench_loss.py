@@ -63,8 +63,10 @@ def worker(args) -> dict:
         before = torch.cuda.memory_allocated(device)
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
     loss = step()
     sync()
+    first = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - before
     times = []
@@ -74,7 +76,7 @@ def worker(args) -> dict:
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    out = {"variant": args.variant, "peak_mb": peak / 2**20, "s": statistics.median(times), "loss": float(loss)}
+    out = {"variant": args.variant, "peak_mb": peak / 2**20, "s": statistics.median(times or [first]), "loss": float(loss)}
     grads = {"hidden": hidden.grad.float().cpu(), "weight": weight.grad.float().cpu()}
     torch.save(grads, args.grads)
     return out

@@ -58,18 +58,24 @@ def test_guides_rejects_an_unknown_row(tmp_path):
 
 
 def test_mfu_small_mode_writes_table_and_json(tmp_path):
-    out = bench("bench_mfu.py", "--small", "--rows", "fp32", "--steps", "2", "--warmup", "1", "--out",
+    # fp32 (the first row), the chunked loss (a new row that runs on a CPU), fp8 (refused on a CPU)
+    out = bench("bench_mfu.py", "--small", "--rows", "fp32,chunked,fp8", "--steps", "2", "--warmup", "1", "--out",
                 str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "mfu_bench.md").read_text().splitlines()
     assert table[0].startswith("### tiny GPT") and "CPU" in table[0]
-    assert table[2] == "| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |"
-    assert table[4].startswith("| fp32, foreach AdamW, SDPA |") and table[4].endswith("% |")
-    (row,) = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
-    assert row["steps"] == 2 and row["peak_dtype"] == "float32"
-    assert row["tokens_per_s"] > 0 and row["peak_tflops"] > 0
+    assert table[2].startswith("| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |")
+    assert table[2].endswith("| micro-batch | peak MB | first step s | compile s | loss at end |")
+    assert table[4].startswith("| fp32, foreach AdamW, SDPA |") and "%" in table[4]
+    assert table[6].startswith("| fp8 matmuls (torchao) | refused: precision: fp8 needs a CUDA GPU")
+    fp32, chunked, fp8 = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
+    assert fp32["steps"] == 2 and fp32["peak_dtype"] == "float32" and fp32["micro_batch"] == "8"
+    assert fp32["tokens_per_s"] > 0 and fp32["peak_tflops"] > 0 and fp32["compile_s"] is None
     # MFU is the model's FLOP rate over the measured peak the run was given
-    assert abs(row["mfu"] - row["tflops"] / row["peak_tflops"]) < 0.05 * row["mfu"]
+    assert abs(fp32["mfu"] - fp32["tflops"] / fp32["peak_tflops"]) < 0.05 * fp32["mfu"]
+    # the chunked loss trains exactly like the plain one (same seed, same data): same losses
+    assert "loss=lm_chunked" in chunked["overrides"] and chunked["final_loss"] == pytest.approx(fp32["final_loss"], abs=1e-4)
+    assert fp8["status"] == "refused" and "compute capability >= 8.9" in fp8["reason"]
 
 
 @gpu

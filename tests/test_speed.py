@@ -145,7 +145,7 @@ def test_fp8_is_refused_on_a_cpu_with_one_line(tmp_path, token_cache):
                 env={"LOOPLIB_CACHE": token_cache})
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "use +precision=bf16 here" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and "use +precision=bf16 on this device" in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
 
 
