@@ -60,6 +60,12 @@ ROWS = {
               {"per_device_train_batch_size": 4, "optim": "adamw_torch_fused"}),
     "compile": ("batch 4, torch.compile", ["batch_size=4", "+compile=default"],
                 {"per_device_train_batch_size": 4, "torch_compile": True}),
+    "adam8bit_nosync": ("batch 4, 8-bit Adam, no inf/NaN step check (no per-step sync)",
+                        ["batch_size=4", "+optim=adam8bit", "+precision=fp32", "precision.skip_nonfinite=false"], None),
+    "fastest": ("fastest configuration looplib finds: bf16, fused AdamW, compiled model and loss, "
+                "largest micro-batch (auto, global 32)",
+                ["batch_size=auto", "global_batch_size=32", "+precision=bf16", "+optim=adamw", "optim.impl=fused",
+                 "+compile=default", "compile.loss=true"], None),
     "zero2_offload": ("batch 4, DeepSpeed ZeRO-2, optimizer on CPU",
                       ["batch_size=4", "+engine=deepspeed", "engine.stage=2", "engine.offload_optimizer=cpu",
                        "+optim=cpu_adam"], None),
@@ -68,6 +74,8 @@ TRAINER_SKIP = {  # why a row has no Trainer twin
     "checkpointing": "Trainer's gradient_checkpointing needs a transformers model "
                      "(gradient_checkpointing_enable); the BertClassifier is plain PyTorch",
     "zero2_offload": "Trainer's DeepSpeed path needs the deepspeed launcher and its own JSON config",
+    "adam8bit_nosync": "Trainer always checks for inf/NaN the same way; this row measures looplib's check",
+    "fastest": "a looplib search (batch_size=auto); the Trainer's twins are the bf16, fused and compile rows",
     **{row: "needs gradient checkpointing (see that row)" for row in ("fp16_all", "adafactor_all", "adam8bit_all")},
 }
 CPU_SKIP = {

@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, gpu
+from conftest import REPO, gpu, has_bitsandbytes as has_bnb
 
 
 def bench(script, *args, cwd):
@@ -129,3 +130,39 @@ def test_engines_small_mode_writes_table_json_and_chart(tmp_path):
     assert "+engine=deepspeed" in data["rows"][1]["overrides"]
     assert (tmp_path / "engines_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "runs" / "local" / "model.safetensors").exists()  # bench rows keep no weights
+
+
+def test_every_benchmark_row_composes_and_its_strategies_build():
+    """Each row of bench_mfu.py (GPU and CPU) and bench_guides.py is a valid command line: Hydra
+    composes it and every strategy group and the loss build (models are not built: GPT-2 small and
+    BERT-large would cost seconds). GPU-only options may only be refused for want of a GPU."""
+    from hydra import compose, initialize_config_module
+
+    from looplib.build import STRATEGY_DEFAULTS, check_settings, fill_strategy_defaults, instantiate
+    from looplib.errors import ConfigError
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_guides
+    import bench_mfu
+    tables = [(bench_mfu.GPU_JOB, {k: v[1] for k, v in bench_mfu.GPU_ROWS.items()}),
+              (bench_mfu.SMALL_JOB, {k: v[1] for k, v in bench_mfu.CPU_ROWS.items()}),
+              (bench_guides.GPU_JOB, {k: [o.format(half="fp16") for o in v[1]] for k, v in bench_guides.ROWS.items()})]
+    built = 0
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        for job, rows in tables:
+            for name, overrides in rows.items():
+                cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
+                check_settings(cfg)
+                fill_strategy_defaults(cfg)
+                for group in (*STRATEGY_DEFAULTS, "loss"):
+                    if group == "engine" and "deepspeed" in cfg.engine._target_:
+                        continue  # DeepSpeed's engine needs a launcher's environment
+                    if group == "optim" and "Adam8bit" in cfg.optim._target_ and not has_bnb():
+                        continue
+                    try:
+                        obj = instantiate(cfg, group)
+                        if group == "precision":
+                            obj.setup("cpu")
+                        built += 1
+                    except ConfigError as err:
+                        assert not torch.cuda.is_available() and ("CUDA" in str(err) or "GPU" in str(err)), (name, err)
+    assert built > 100
