@@ -15,7 +15,7 @@ from looplib.models import GPT
 from looplib.objectives import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
 from looplib.precision import FP8, Precision
 
-from conftest import run_cli, tiny_gpt
+from conftest import gpu, run_cli, tiny_gpt
 
 
 def batch_with_ignored(vocab=64, n=3, seq_len=16, seed=1):
@@ -178,3 +178,77 @@ def test_chunked_loss_and_padded_vocab_through_the_cli(tmp_path, token_cache):
     assert not any("compile_s" in row for row in rows)
     from safetensors.torch import load_file
     assert load_file(tmp_path / "run" / "model.safetensors")["head.weight"].shape == (128, 32)  # tied: saved once
+
+
+# ---- on a GPU (scripts/gpu_figures.sh speed_tests): the options run, and agree with their plain twins
+
+
+def train_steps(model, objective, steps=3, precision=None, compile_=None, accum=2):
+    from looplib import Accumulation, fit
+    from looplib.optim import SGD
+    from conftest import random_tokens
+    device = torch.device("cuda")
+    precision = precision or Precision()
+    precision.setup(device)
+    model = precision.convert(model).to(device)
+    if compile_ is not None:
+        model, objective = compile_.wrap(model), compile_.wrap_loss(objective)
+    data = torch.utils.data.DataLoader(random_tokens(n=4 * accum * steps), batch_size=4)
+    opt = SGD(lr=0.1).build(model)
+    fit(model, data, objective=objective, optimizer=opt, accumulation=Accumulation(accum), max_steps=steps,
+        precision=precision, engine=Engine(device))
+    batch = {k: v.to(device) for k, v in next(iter(data)).items()}
+    with torch.no_grad(), precision.autocast():
+        return float(TokenCrossEntropy()(model, batch) / TokenCrossEntropy().count(batch))
+
+
+@gpu
+def test_gpu_chunked_loss_in_bf16_matches_the_plain_loss():
+    from looplib.precision import BF16
+    batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
+    results = []
+    for objective in (TokenCrossEntropy(), ChunkedTokenCrossEntropy(chunk_size=7)):
+        model = tiny_gpt().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(loss_and_grads(model, objective, batch))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=1e-2)
+    for name in results[0][1]:
+        torch.testing.assert_close(results[1][1][name], results[0][1][name], rtol=5e-2, atol=1e-3, msg=name)
+    assert train_steps(tiny_gpt(), ChunkedTokenCrossEntropy(), precision=BF16()) == pytest.approx(
+        train_steps(tiny_gpt(), TokenCrossEntropy(), precision=BF16()), rel=2e-2)
+
+
+@gpu
+def test_gpu_cuda_graphs_train_like_eager():
+    torch._dynamo.reset()
+    eager = train_steps(tiny_gpt(), TokenCrossEntropy())
+    graphs = train_steps(tiny_gpt(), TokenCrossEntropy(), compile_=TorchCompile(mode="reduce-overhead"))
+    assert graphs == pytest.approx(eager, rel=1e-3)
+
+
+@gpu
+def test_gpu_fp8_trains_close_to_bf16_or_is_refused_below_sm89():
+    pytest.importorskip("torchao")
+    from looplib.precision import BF16
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+            FP8().setup(torch.device("cuda"))
+        return
+    def model():
+        torch.manual_seed(0)
+        return GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
+    bf16 = train_steps(model(), TokenCrossEntropy(), precision=BF16())
+    fp8 = train_steps(model(), TokenCrossEntropy(), precision=FP8(), compile_=TorchCompile())
+    assert fp8 == pytest.approx(bf16, rel=5e-2)
+
+
+@gpu
+def test_gpu_liger_loss_matches_the_chunked_loss():
+    pytest.importorskip("liger_kernel")
+    from looplib.objectives import LigerTokenCrossEntropy
+    batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
+    ref, ref_grads = loss_and_grads(tiny_gpt().cuda(), ChunkedTokenCrossEntropy(), batch)
+    got, grads = loss_and_grads(tiny_gpt().cuda(), LigerTokenCrossEntropy(), batch)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-4, msg=name)
