@@ -9,9 +9,11 @@
 #                  target: >= 460,000 tokens/s in the best row (bench_mfu.py; rows written as they finish)
 #   speed_mfu2     part 2: Liger loss, max-autotune, CUDA graphs, largest micro-batch (auto), fp8
 #   speed_loss     chunked / Liger / plain loss + backward at 8192 tokens x 50,257 (memory, time, agreement)
-#   speed_guides   BERT-large: vanilla, fused, bf16, compile, 8-bit Adam (with and without the per-step
-#                  inf/NaN sync), and the fastest configuration looplib finds.
+#   speed_guides   BERT-large: vanilla, fused, bf16, 8-bit Adam (with and without the per-step inf/NaN
+#                  sync), and the fastest configuration looplib finds (bf16, fused, compiled model and
+#                  loss, batch_size=auto with global batch 32).
 #                  targets: fastest >= 315 samples/s; adam8bit >= 0.95x fused (same batch 4)
+#   speed_guides2  BERT-large, batch 4: bf16 + fused + compile, + CUDA graphs, fp8 + compile
 #   speed_overhead overhead vs the hand-written loop, bf16, 5 pairs, tiny and default models.
 #                  target: <= 1.01x median step, 0 syncs on non-logging steps
 #   speed_profile  torch.profiler traces of one GPT-2 small step, eager and best-known compiled
@@ -81,8 +83,10 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     speed_loss) part speed_loss 240 $py scripts/bench_loss.py --device cuda --tokens 8192 --dtype bf16 --repeats 5 \
         --out "$results/speed_loss" ;;
     speed_guides) part speed_guides 560 $py scripts/bench_guides.py \
-        --rows vanilla,fused,adam8bit,adam8bit_nosync,bf16,compile,fastest --trainer-rows none \
+        --rows vanilla,fused,adam8bit,adam8bit_nosync,bf16,fastest --trainer-rows none \
         --out "$results/speed_guides" ;;
+    speed_guides2) part speed_guides2 560 $py scripts/bench_guides.py --rows vanilla,bf16_compile,cuda_graphs,fp8 \
+        --trainer-rows bf16_compile --out "$results/speed_guides2" ;;
     speed_overhead) part speed_overhead 560 $py scripts/bench_overhead.py --device cuda --precision bf16 --pairs 5 \
         --models tiny,default --steps 150 --warmup 10 --out "$results/speed_overhead" ;;
     speed_profile) part speed_profile 400 bash -c "$py scripts/profile_step.py --out $results/speed_profile/eager \
@@ -92,6 +96,6 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
 +compile=default compile.loss=true" ;;
     speed_tests) part speed_tests 400 $py -m pytest -q -rs -p no:cacheprovider tests/test_speed.py -k gpu ;;
     *) echo "unknown part $p (choose from: $all speed_mfu speed_mfu2 speed_loss speed_guides speed_overhead \
-speed_profile speed_tests)"; exit 2 ;;
+speed_guides2 speed_profile speed_tests)"; exit 2 ;;
     esac
 done
