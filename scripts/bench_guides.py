@@ -71,6 +71,7 @@ ROWS = {
             ["batch_size=4", "+precision=fp8", "+optim=adamw", "optim.impl=fused", "+compile=default"], None),
     "adam8bit_nosync": ("batch 4, 8-bit Adam, no inf/NaN step check (no per-step sync)",
                         ["batch_size=4", "+optim=adam8bit", "+precision=fp32", "precision.skip_nonfinite=false"], None),
+    "adam8bit_ao": ("batch 4, torchao 8-bit AdamW (compiled step)", ["batch_size=4", "+optim=adam8bit_ao"], None),
     "fastest": ("fastest configuration looplib finds: bf16, fused AdamW, compiled model and loss, "
                 "largest micro-batch (auto, global 32)",
                 ["batch_size=auto", "global_batch_size=32", "+precision=bf16", "+optim=adamw", "optim.impl=fused",
@@ -86,6 +87,8 @@ TRAINER_SKIP = {  # why a row has no Trainer twin
     "cuda_graphs": "Trainer has no CUDA-graph option (torch_compile_mode is passed through, but not measured here)",
     "fp8": "Trainer's fp8 goes through Accelerate/TransformerEngine, not torchao",
     "adam8bit_nosync": "Trainer always checks for inf/NaN the same way; this row measures looplib's check",
+    "adam8bit_ao": "Trainer's torchao optimizers are 4-bit and 8-bit AdamW via optim=adamw_torch_4bit/8bit; "
+                   "not wired here",
     "fastest": "a looplib search (batch_size=auto); the Trainer's twins are the bf16, fused and compile rows",
     **{row: "needs gradient checkpointing (see that row)" for row in ("fp16_all", "adafactor_all", "adam8bit_all")},
 }

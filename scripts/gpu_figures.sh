@@ -9,8 +9,8 @@
 #                  target: >= 460,000 tokens/s in the best row (bench_mfu.py; rows written as they finish)
 #   speed_mfu2     part 2: Liger loss, max-autotune, CUDA graphs, largest micro-batch (auto), fp8
 #   speed_loss     chunked / Liger / plain loss + backward at 8192 tokens x 50,257 (memory, time, agreement)
-#   speed_guides   BERT-large: vanilla, fused, bf16, 8-bit Adam (with and without the per-step inf/NaN
-#                  sync), and the fastest configuration looplib finds (bf16, fused, compiled model and
+#   speed_guides   BERT-large: vanilla, fused, bf16, 8-bit Adam (bitsandbytes with and without the per-step
+#                  inf/NaN sync; torchao's compiled AdamW8bit), and the fastest configuration looplib finds (bf16, fused, compiled model and
 #                  loss, batch_size=auto with global batch 32).
 #                  targets: fastest >= 315 samples/s; adam8bit >= 0.95x fused (same batch 4)
 #   speed_guides2  BERT-large, batch 4: bf16 + fused + compile, + CUDA graphs, fp8 + compile
@@ -83,7 +83,7 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     speed_loss) part speed_loss 240 $py scripts/bench_loss.py --device cuda --tokens 8192 --dtype bf16 --repeats 5 \
         --out "$results/speed_loss" ;;
     speed_guides) part speed_guides 560 $py scripts/bench_guides.py \
-        --rows vanilla,fused,adam8bit,adam8bit_nosync,bf16,fastest --trainer-rows none \
+        --rows vanilla,fused,adam8bit,adam8bit_nosync,adam8bit_ao,bf16,fastest --trainer-rows none \
         --out "$results/speed_guides" ;;
     speed_guides2) part speed_guides2 560 $py scripts/bench_guides.py --rows vanilla,bf16_compile,cuda_graphs,fp8 \
         --trainer-rows bf16_compile --out "$results/speed_guides2" ;;

@@ -252,3 +252,28 @@ def test_gpu_liger_loss_matches_the_chunked_loss():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
+    """+optim=adam8bit_ao: one step (torch.compile bypassed: its CPU compile takes minutes) makes
+    8-bit moments for large tensors, fp32 ones for small; the planner's rule counts them exactly."""
+    pytest.importorskip("torchao")
+    from unittest import mock
+
+    from looplib.optim import TorchaoAdam8bit
+    from looplib.plan import state_rule
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=64)
+    factory = TorchaoAdam8bit(lr=1e-3, weight_decay=0.1)
+    opt = factory.build(model)
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    with mock.patch("torch.compile", lambda fn, **kw: fn):
+        opt.step()
+
+    def nbytes(t):
+        if hasattr(t, "__tensor_flatten__"):  # OptimState8bit: codes, scale, qmap
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+    assert sum(nbytes(v) for s in opt.state.values() for v in s.values()) == state_rule(factory, model)
+    big, small = opt.state[model.blocks[0].mlp[0].weight], opt.state[model.blocks[0].ln1.weight]
+    assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
