@@ -111,6 +111,10 @@ def test_chunked_loss_names_what_a_model_lacks():
     with pytest.raises(ConfigError) as err:
         ChunkedTokenCrossEntropy(chunk_size=0)
     assert err.value.key == "loss.chunk_size"
+    if not torch.cuda.is_available():  # Liger's kernels are Triton: refused before anything imports
+        from looplib.objectives import LigerTokenCrossEntropy
+        with pytest.raises(ConfigError, match="loss=lm_liger needs a CUDA GPU.*use loss=lm_chunked"):
+            LigerTokenCrossEntropy()
 
 
 def test_compiled_loss_equals_eager():
