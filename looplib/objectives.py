@@ -112,6 +112,9 @@ def output_head(model) -> tuple[torch.nn.Linear, int]:
                               "chunked loss", "use loss=lm, or give the model an lm_head and hidden_only=True")
         inner = nested
     head = inner.lm_head
+    if head.weight.dim() != 2 or head.weight.numel() == 0:  # DeepSpeed ZeRO-3 keeps only a shard outside forward
+        raise ConfigError("loss", "the chunked loss needs the whole lm_head weight outside the model's forward, "
+                          "and this engine partitions it (ZeRO-3)", "use loss=lm, or engine.stage=2")
     return head, int(getattr(inner, "vocab_size", head.weight.shape[0]))
 
 
