@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .errors import ConfigError
+from .schema import Positive
 
 log = logging.getLogger("looplib")
 
@@ -39,12 +40,13 @@ NoCheckpointing = Checkpointing
 
 
 class ActivationCheckpointing(Checkpointing):
-    """Checkpoint every ``every``-th submodule whose class is one of ``types`` (class names
-    such as ``Block``, ``GPT2Block``, ``BertLayer``, or dotted paths) or whose qualified name
+    """Checkpoint every ``every``-th submodule whose class (or a base class) is one of ``types``
+    (class names such as ``Block``, ``GPT2Block``, ``BertLayer``, transformers' base of every
+    decoder/encoder layer ``GradientCheckpointingLayer``, or dotted paths) or whose qualified name
     matches the regular expression ``names`` (e.g. ``blocks\\.\\d+``). A match inside an
     already chosen submodule is skipped (checkpointing the outer one covers it)."""
 
-    def __init__(self, types: Sequence[str] = (), names: str | None = None, every: int = 1):
+    def __init__(self, types: Sequence[str] = (), names: str | None = None, every: Positive[int] = 1):
         if not types and not names:
             raise ConfigError("checkpointing", "neither checkpointing.types nor checkpointing.names is set",
                               "name module classes (checkpointing.types=[Block]) or a name pattern")
@@ -59,9 +61,10 @@ class ActivationCheckpointing(Checkpointing):
         self.types, self.names, self.every = tuple(types), names, every
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        cls = type(module)
-        if cls.__name__ in self.types or f"{cls.__module__}.{cls.__qualname__}" in self.types:
-            return True
+        # a class or any base class: GradientCheckpointingLayer names every transformers block
+        for cls in type(module).__mro__[:-1]:
+            if cls.__name__ in self.types or f"{cls.__module__}.{cls.__qualname__}" in self.types:
+                return True
         return bool(self.pattern and name and self.pattern.fullmatch(name))
 
     def chosen(self, model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+MODES = get_args(Mode)
 
 
 class Compile:
@@ -47,7 +49,7 @@ class TorchCompile(Compile):
     ``max-autotune`` benchmarks kernels at compile time (slow to compile, fastest to run).
     """
 
-    def __init__(self, mode: str = "default", backend: str = "inductor", fullgraph: bool = False,
+    def __init__(self, mode: Mode = "default", backend: str = "inductor", fullgraph: bool = False,
                  dynamic: bool | None = None, loss: bool = False):
         if mode not in MODES:
             raise ConfigError("compile.mode", f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")

@@ -6,6 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..schema import Beta, Positive
+
+
+def check_heads(d_model: int, n_head: int) -> None:
+    if d_model % n_head:
+        raise ConfigError("model.n_head", f"d_model={d_model} does not split into n_head={n_head} heads",
+                          "use an n_head that divides d_model, e.g. model.n_head=4")
 
 
 class SelfAttention(nn.Module):
@@ -50,12 +57,11 @@ class GPT(nn.Module):
     the true vocabulary.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, n_layer: int = 4, n_head: int = 4,
-                 d_model: int = 128, dropout: float = 0.0, pad_vocab_to: int = 1):
+    def __init__(self, vocab_size: Positive[int], seq_len: Positive[int], n_layer: Positive[int] = 4,
+                 n_head: Positive[int] = 4, d_model: Positive[int] = 128, dropout: Beta = 0.0,
+                 pad_vocab_to: Positive[int] = 1):
         super().__init__()
-        if pad_vocab_to < 1:
-            raise ConfigError("model.pad_vocab_to", f"pad_vocab_to={pad_vocab_to} must be at least 1",
-                              "use model.pad_vocab_to=64 (1: no padding)")
+        check_heads(d_model, n_head)
         self.seq_len, self.vocab_size = seq_len, vocab_size
         self.config = dict(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer,
                            n_head=n_head, d_model=d_model)
