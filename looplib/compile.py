@@ -30,6 +30,9 @@ class Compile:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def check(self, corpus) -> None:
+        """Refuse data this compile mode cannot run (build time, before the model exists)."""
+
     def wrap_loss(self, objective):
         return objective
 
@@ -68,6 +71,12 @@ class TorchCompile(Compile):
     def options(self) -> dict:
         mode = {"mode": self.mode} if self.backend == "inductor" else {}
         return dict(backend=self.backend, fullgraph=self.fullgraph, dynamic=self.dynamic, **mode)
+
+    def check(self, corpus):
+        if self.mode == "reduce-overhead" and getattr(corpus, "collate", None) is not None:
+            raise ConfigError("compile.mode", "CUDA graphs (reduce-overhead) replay fixed shapes, and this data pads "
+                              "each batch to its longest example", "use data.pack=true (fixed windows), or "
+                              "+compile=default")
 
     def wrap(self, model):
         if self.mode == "reduce-overhead":

@@ -65,6 +65,7 @@ def build_job(cfg: DictConfig) -> Job:
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     job.corpus = instantiate(cfg, "data")
+    job.compile.check(job.corpus)  # CUDA graphs: fixed shapes only
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = instantiate(cfg, "model")
     getattr(model, "check_data", lambda corpus: None)(job.corpus)  # vocabulary, labels (looplib.hf)

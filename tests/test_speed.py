@@ -136,6 +136,11 @@ def test_reduce_overhead_is_refused_where_cuda_graphs_cannot_run():
     with pytest.raises(ConfigError) as err:
         TorchCompile(mode="reduce-overhead", dynamic=True)
     assert err.value.key == "compile.dynamic"
+    class Padded:  # a corpus that pads each batch to its longest example (data=instruct, pack=false)
+        collate = staticmethod(lambda samples: samples)
+    with pytest.raises(ConfigError, match="pads each batch to its longest example"):
+        TorchCompile(mode="reduce-overhead").check(Padded())
+    TorchCompile(mode="default").check(Padded())
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="reduce-overhead records CUDA graphs, and the model is on cpu"):
             TorchCompile(mode="reduce-overhead").wrap(tiny_gpt())
