@@ -44,17 +44,25 @@ class CausalLM(nn.Module):
 
     @classmethod
     def extra_keys(cls, options: dict) -> set[str]:
-        """The keys ``**config`` takes: those of the model type's transformers config (looplib.schema
-        refuses any other, where transformers would keep a misspelt key as a silent attribute)."""
+        """The keys ``**config`` takes: the model type's transformers config arguments and
+        attributes, and any key transformers consumes (``rope_theta`` goes into ``rope_parameters``).
+        A key transformers would only keep as a stray attribute (a misspelling) is not among them."""
+        import inspect
         transformers = import_transformers()
+        model_type = str(options.get("model_type"))
         try:
-            hf_config = transformers.AutoConfig.for_model(str(options.get("model_type")))
+            default = transformers.AutoConfig.for_model(model_type)
         except ValueError as err:
             raise ConfigError("model.model_type", " ".join(str(err).split()),
                               "use a transformers model type, e.g. llama, gpt2, mistral") from None
-        import inspect
-        taken = set(inspect.signature(type(hf_config).__init__).parameters) - {"self", "kwargs"}
-        return taken | set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {}))
+        known = set(inspect.signature(type(default).__init__).parameters) - {"self", "kwargs"}
+        known |= set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+        rest = {k: v for k, v in options.items() if k not in known and not k.startswith("_")}
+        try:
+            built = transformers.AutoConfig.for_model(model_type, **rest)
+        except Exception:  # a bad value: building the model says which, in one line
+            return known | set(rest)
+        return known | {k for k in rest if k not in vars(built)}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits

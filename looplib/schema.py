@@ -178,7 +178,8 @@ def describe(hint: Any, plural: bool = False) -> str:
         members = [a for a in args if a is not type(None)]
         choices = [c for a in members if typing.get_origin(a) is Literal for c in typing.get_args(a)]
         choices += [c for a in members if a is bool for c in (True, False)]
-        others = [describe(a, plural) for a in members if typing.get_origin(a) is not Literal and a is not bool]
+        others = list(dict.fromkeys(describe(a, plural) for a in members  # list[str] | tuple[str, ...]: said once
+                                    if typing.get_origin(a) is not Literal and a is not bool))
         words = others + ([("one of " if not others else "") + describe_choices(choices)] if choices else [])
         return " or ".join(words) + (" (or null)" if type(None) in args else "")
     if origin is Literal:
@@ -322,7 +323,9 @@ def advice(key: str, p: Param) -> str:
 
 
 def cli(value: Any) -> str:
-    """A value as typed after ``key=`` on the command line."""
+    """A value as typed after ``key=`` on the command line (strings unquoted)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(cli(v) for v in value) + "]"
     return value if isinstance(value, str) else show(value)
 
 
@@ -334,5 +337,5 @@ def refuse_unknown(prefix: str, key: str, value: Any, known: list[str], owner: s
         example = "" if isinstance(value, dict) else f" (e.g. {prefix}{close[0]}={cli(value)})"
         fix = f"did you mean {prefix}{close[0]}?{example}"
     else:
-        fix = f"remove it; the keys{of} are: {', '.join(known)}" if known else "remove it"
+        fix = f"remove it; {'its' if owner else 'the'} keys are: {', '.join(known)}" if known else "remove it"
     raise ConfigError(f"{prefix}{key}", f"{prefix}{key} is not a setting{of}", fix)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import autobatch
 from .accumulation import Accumulation
-from .build import Settings, blame, check_config, instantiate
+from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
@@ -67,6 +67,7 @@ def build_job(cfg: DictConfig) -> Job:
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
+    check_sequences_fit(job.corpus, model)
     job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
