@@ -317,7 +317,7 @@ def check_options(prefix: str, target: Any, options: dict, said: str = "") -> No
 
 def advice(key: str, p: Param) -> str:
     text = f"use {describe(p.hint)}"
-    if not p.required and not isinstance(p.default, (dict, set)):
+    if not p.required and not isinstance(p.default, (dict, set)) and p.default not in ((), [], ""):
         text += f", e.g. {key}={cli(p.default)} (the default)"
     return text
 
