@@ -293,7 +293,7 @@ def check_options(prefix: str, target: Any, options: dict, said: str = "") -> No
         if allowed is not None and key not in allowed:
             refuse_unknown(prefix, key, options[key], sorted(allowed), owner)
     for p in params.values():
-        if p.required and p.name not in options:
+        if p.required and p.name not in options and not options.get("_partial_"):  # a partial gets the rest later
             raise ConfigError(f"{prefix}{p.name}", f"{owner or 'the config'} needs {p.name}",
                               f"add +{prefix}{p.name}=VALUE")
     for key in names:
