@@ -46,9 +46,10 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
                 evaluation: Evaluation | None = None, eval_dataset: Dataset | None = None,
                 eval_every: int = 0, eval_batches: int = 8, max_grad_norm: float | None = 1.0,
                 device: str = "auto", seed: int = 0, metrics: str | Path | None = None,
-                log_every: int = 10, engine: Engine | None = None) -> Trained:
+                log_every: int = 10, engine: Engine | None = None, collate_fn=None) -> Trained:
     """Set the pieces up in the order the CLI does (device, precision, adapter, compile,
-    optimizer, schedule, loaders) and run ``looplib.fit``."""
+    optimizer, schedule, loaders) and run ``looplib.fit``. ``collate_fn``: a corpus's
+    ``collate`` for samples of different lengths (``looplib.data.InstructCorpus``)."""
     engine = engine or Engine(device)
     precision = precision or Precision()
     precision.setup(engine.device)
@@ -58,13 +59,15 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
     optimizer = (optim or AdamW()).build(model)  # the command line's defaults (looplib.optim.LR, ...)
     scheduler = (schedule or Schedule()).build(optimizer, max_steps)
     train = build_loader(dataset, batch_size=batch_size, seed=seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size)
+                         rank=engine.rank, world=engine.world_size, collate_fn=collate_fn)
     held_out = None
     if eval_dataset is not None:
-        loader = build_loader(eval_dataset, batch_size=batch_size, seed=seed, shuffle=False, device=engine.device)
+        loader = build_loader(eval_dataset, batch_size=batch_size, seed=seed, shuffle=False, device=engine.device,
+                              collate_fn=collate_fn)
         held_out = [b for _, b in zip(range(eval_batches), loader)]
     telemetry = Telemetry(metrics, log_every=log_every, total_steps=max_steps, device=engine.device,
                           enabled=metrics is not None and engine.is_main, progress="lines")
+    telemetry.items = getattr(objective, "items", "tokens")  # tokens/s, or sequences/s
     try:
         state = fit(model, Epochs(train), objective=objective, optimizer=optimizer, scheduler=scheduler,
                     precision=precision, accumulation=Accumulation(accum_steps), engine=engine,

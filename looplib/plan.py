@@ -186,8 +186,14 @@ class MetaAutocast(TorchFunctionMode):
             return self.copies[id(x)]
         return x.to(dtype)
 
+    # data-dependent branches (transformers asks whether a mask is all ones, whether position
+    # ids are packed) cannot be read on meta tensors: answer "no" and take the general path
+    UNREADABLE = {torch.Tensor.__bool__: False, torch.Tensor.item: 0}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.UNREADABLE and args and torch.is_tensor(args[0]) and args[0].is_meta:
+            return self.UNREADABLE[func]
         if func is F.scaled_dot_product_attention:
             q, k, v = (self.cast(t, self.dtype) if self.dtype else t for t in args[:3])
             return FusedAttention.apply(q, k, v)

@@ -15,7 +15,7 @@ nan are refused in every float setting). The vocabulary is plain ``typing``: ``i
 ``Seed`` name the common ranges. Anything else (a class of your own) is taken as it is.
 
 A class whose constructor takes ``**kwargs`` accepts any further key, unless it says which
-with a classmethod ``extra_keys(options) -> set of names`` (``looplib.hf.CausalLM`` does).
+with a classmethod ``extra_keys(options) -> set of names``, or checks them itself (``looplib.hf``).
 Values are not converted: ``lr='1e-3'`` (a quoted string) is refused, not guessed at.
 This module imports neither Hydra nor OmegaConf; it works on plain values.
 """

@@ -91,6 +91,7 @@ class Telemetry:
     # Multi-process engines set this to their mean over ranks. A collective: every rank's
     # Telemetry (writing or not) reaches _log at the same steps.
     reduce_loss = staticmethod(lambda loss: loss)
+    items = "tokens"   # what the objective counts (classification: sequences): <items>_per_s
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
@@ -154,7 +155,7 @@ class Telemetry:
         iv = self._interval
         row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                "step_time_s": dt / iv["steps"], "samples_per_s": iv["samples"] / dt,
-               "tokens_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
+               f"{self.items}_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
                "peak_mem_mb": round(peak_memory_mb(self.device), 1),
                "elapsed_s": now - self._t_start}
         if grad_norm is not None:
@@ -165,7 +166,7 @@ class Telemetry:
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}
-        text = f"loss {loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  mem {row['peak_mem_mb']:,.0f} MB"
+        text = f"loss {loss:.4f}  {row[self.items + '_per_s']:,.0f} {self.items[:3]}/s  mem {row['peak_mem_mb']:,.0f} MB"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
         elif self.enabled:
@@ -189,6 +190,13 @@ class Telemetry:
         return row
 
     def eval(self, step: int, loss: float) -> None:
+        metrics = getattr(loss, "metrics", None)  # a classifier's accuracy (looplib.evaluation.Scores)
+        if metrics:
+            self.write({"step": step, "eval_loss": float(loss), **metrics})
+            if self.enabled:
+                log.info("step %d: eval loss %.4f, %s", step, loss, ", ".join(
+                    f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items()))
+            return
         ppl = math.exp(loss) if loss < 50 else float("inf")
         self.write({"step": step, "eval_loss": loss, "eval_perplexity": ppl})
         msg = f"step {step}: eval loss {loss:.4f}, perplexity {ppl:.2f}"

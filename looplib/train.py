@@ -66,8 +66,10 @@ def build_job(cfg: DictConfig) -> Job:
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     job.corpus = instantiate(cfg, "data")
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
-    model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
+    model = instantiate(cfg, "model")
+    getattr(model, "check_data", lambda corpus: None)(job.corpus)  # vocabulary, labels (looplib.hf)
     check_sequences_fit(job.corpus, model)
+    model = checkpointing.apply(job.peft.wrap(model))
     job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
@@ -79,11 +81,12 @@ def run(job: Job, run_dir: Path) -> TrainState:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
+    collate = getattr(job.corpus, "collate", None)  # padded data: the corpus pads each batch
     with blame("loader"):
         train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                             rank=engine.rank, world=engine.world_size, **loader_args)
+                             rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
-                            device=engine.device)
+                            device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
     with blame("optim", job.cfg):
         optimizer = job.optim.build(job.model)
@@ -102,11 +105,14 @@ def run(job: Job, run_dir: Path) -> TrainState:
             resume(checkpoints, state, s.resume, run_dir)
         if engine.is_main:
             (run_dir / "config.yaml").write_text(config_yaml)
+            if hasattr(job.corpus, "save"):
+                job.corpus.save(run_dir)  # e.g. labels.json
         telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                               device=engine.device, enabled=engine.is_main, progress=s.progress,
                               **mfu_settings(job))
         telemetry.resumed_from = state.step or None
         telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+        telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
         n_params = sum(p.numel() for p in job.model.parameters())
         log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
                  "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
@@ -133,7 +139,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
         finally:
             telemetry.close()
-    job.peft.save(job.model, run_dir, engine)  # model.safetensors (every rank: ZeRO-3 gathers) or the adapter
+    # model.safetensors, or hf/ for a transformers model (every rank: ZeRO-3 gathers), or the adapter
+    job.peft.save(job.model, run_dir, engine, job.corpus)
     if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
         print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
@@ -173,7 +180,7 @@ def mfu_settings(job: Job) -> dict:
 
 
 def print_sample(job: Job, n_tokens: int) -> None:
-    prompt = "def "
+    prompt = job.corpus.sample_prompt() if hasattr(job.corpus, "sample_prompt") else "def "
     ids = torch.tensor([job.corpus.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
     with job.precision.autocast():

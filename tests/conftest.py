@@ -45,3 +45,12 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "loopl
 def token_cache(tmp_path_factory) -> str:
     """One tokenizer cache for every CLI test of the session."""
     return str(os.environ.get("LOOPLIB_CACHE") or tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory) -> Path:
+    """A pretrained Hugging Face directory (a tiny Llama + its BPE tokenizer), made once, offline."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'looplib[hf]')")
+    from looplib.make_tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("pretrained") / "tiny-llama", vocab_size=384, hidden_size=32,
+                           layers=2, max_positions=64, max_bytes=100_000)

@@ -23,12 +23,18 @@ def compose_with(*overrides):
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch):
+def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, request):
     if option == "adam8bit" and not has_bitsandbytes():
         pytest.skip("bitsandbytes is not installed")
     monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path))
     prefix = "" if group in IN_DEFAULTS else "+"
     data = [] if group == "data" else ["data=random"]
+    if (group, option) in (("data", "text"), ("data", "instruct")):  # the user's files: a few records
+        rows = "".join(f'{{"text": "{"def f(x): return x " * 40}", "prompt": "p{i}", "completion": "c"}}\n' for i in range(9))
+        (tmp_path / "records.jsonl").write_text(rows)
+        data = [f"data.path={tmp_path / 'records.jsonl'}", "data.eval_fraction=0"]
+    if group == "model" and option.startswith("hf"):  # a pretrained directory is what they load
+        data += [f"model.path={request.getfixturevalue('tiny_pretrained')}", "model.seq_len=16"]
     cfg = compose_with(f"{prefix}{group}={option}", *data)
     check_settings(cfg)
     fill_strategy_defaults(cfg)

@@ -93,13 +93,6 @@ def test_the_error_names_the_option_that_chose_the_class(hydra_runtime):
     assert "optim=adamw" not in str(err)
 
 
-def test_a_transformers_config_key_is_checked_too():
-    pytest.importorskip("transformers")
-    err = refused("model=llama_tiny", "+model.hidden_sizee=8")  # transformers would keep it as a stray attribute
-    assert err.key == "model.hidden_sizee" and "did you mean model.hidden_size?" in str(err)
-    check_config(compose_with("model=llama_tiny", "+model.rope_theta=500000.0"))  # one transformers consumes
-
-
 def test_a_sample_longer_than_the_model_is_refused():
     from looplib.data import RandomCorpus
     with pytest.raises(ConfigError) as err:

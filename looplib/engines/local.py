@@ -68,6 +68,11 @@ class Engine:
         """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
         return value
 
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's whole state dict (keys as ``unwrap(model).state_dict()``'s; tied
+        weights share a tensor). Collective: every rank calls it (sharding engines gather)."""
+        return {name: t.detach() for name, t in self.unwrap(model).state_dict().items()}
+
     def export_weights(self, model: nn.Module, path: Path) -> None:
         """The trained weights as safetensors. Every rank calls it; the main rank writes."""
         if self.is_main:
