@@ -125,6 +125,19 @@ def resolved(cfg: DictConfig, group: str | None) -> dict:
                           f"fix the interpolation in {key}") from None
 
 
+def check_sequences_fit(corpus: Any, model: Any) -> None:
+    """A training sample longer than the model's ``seq_len`` would fail in the first forward pass
+    (position embeddings run out): refuse it now. Models and data without these are not asked."""
+    limit = getattr(model, "seq_len", None)
+    try:
+        length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError("data.seq_len", f"the data's sequences hold {length} tokens, more than model.seq_len={limit}",
+                          "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
+
+
 def check_global_batch(s: Settings) -> None:
     """``batch_size=auto`` needs ``global_batch_size`` and chooses ``accum_steps`` itself; a fixed
     batch with a global batch must agree with it (the per-rank split is checked by autobatch)."""

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import autobatch, loggers
 from .accumulation import Accumulation
-from .build import Settings, blame, check_config, instantiate
+from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
@@ -73,6 +73,7 @@ def build_job(cfg: DictConfig) -> Job:
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = instantiate(cfg, "model")
     getattr(model, "check_data", lambda corpus: None)(job.corpus)  # vocabulary, labels (looplib.hf)
+    check_sequences_fit(job.corpus, model)
     model = checkpointing.apply(precision.convert(job.peft.wrap(model)))  # fp8: Float8Linear
     job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation

@@ -157,7 +157,7 @@ def test_packing_keeps_examples_apart_and_whole(tmp_path, tok_file, tok):
     assert k == len(single.train)  # every example once, in order
     # and no attention across examples: the packed loss is the sum of the examples' own losses
     torch.manual_seed(0)
-    model = CausalLM("llama", seq_len=64, vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+    model = CausalLM(model_type="llama", seq_len=64, vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     loss, n = TokenCrossEntropy(), len((packed.train[0]["position_ids"] == 0).nonzero())
     together = loss(model, packed.collate([packed.train[0], packed.train[1]]))

@@ -9,7 +9,7 @@ from hydra.utils import _locate
 from omegaconf import OmegaConf, open_dict
 
 from looplib import optim as lo
-from looplib.build import Settings, blame, check_config, instantiate
+from looplib.build import Settings, blame, check_config, check_sequences_fit, instantiate
 from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
 from looplib.plan import main as plan_main
@@ -91,6 +91,14 @@ def test_the_error_names_the_option_that_chose_the_class(hydra_runtime):
     assert err.key == "optim.betas"
     assert "is not a setting of looplib.optim.SGD (from optim._target_=looplib.optim.SGD)" in str(err)
     assert "optim=adamw" not in str(err)
+
+
+def test_a_sample_longer_than_the_model_is_refused():
+    from looplib.data import RandomCorpus
+    with pytest.raises(ConfigError) as err:
+        check_sequences_fit(RandomCorpus(seq_len=32, vocab_size=64, n_train=2), tiny_gpt(seq_len=16))
+    assert err.value.key == "data.seq_len"
+    check_sequences_fit(RandomCorpus(seq_len=16, vocab_size=64, n_train=2), tiny_gpt(seq_len=16))
 
 
 # ------------------------------------------------------------------ every shipped option, every key known
