@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import autobatch
 from .accumulation import Accumulation
-from .build import Settings, check_settings, fill_strategy_defaults, instantiate
+from .build import Settings, blame, check_config, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
@@ -55,8 +55,7 @@ class Job:
 
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
-    settings = check_settings(cfg)
-    fill_strategy_defaults(cfg)
+    settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
@@ -80,13 +79,16 @@ def run(job: Job, run_dir: Path) -> TrainState:
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
     collate = getattr(job.corpus, "collate", None)  # padded data: the corpus pads each batch
-    train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
+    with blame("loader"):
+        train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
+                             rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
                             device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
-    optimizer = job.optim.build(job.model)
-    scheduler = job.schedule.build(optimizer, s.max_steps)
+    with blame("optim", job.cfg):
+        optimizer = job.optim.build(job.model)
+    with blame("schedule", job.cfg):
+        scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint

@@ -12,13 +12,14 @@ import re
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Annotated, Iterator, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError
+from ..schema import NonNegative, Positive, Range, Seed
 from .cache import Tokenised, build as build_cache, cache_key, progress
 from .packing import Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows
 from .readers import content_digest, field, is_records, records, resolve_files, text_field, text_pieces
@@ -82,11 +83,11 @@ class Corpus:
 class RandomCorpus(Corpus):
     """Random tokens for both splits (tests, benchmarks, the BERT-sized classifier)."""
 
-    def __init__(self, seq_len: int, vocab_size: int, n_train: int = 512, n_eval: int = 64,
-                 num_classes: int = 0, seed: int = 0):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int], n_train: Positive[int] = 512,
+                 n_eval: NonNegative[int] = 64, num_classes: NonNegative[int] = 0, seed: Seed = 0):
         self.vocab_size = vocab_size
         self.train = RandomTokens(n_train, seq_len, vocab_size, seed, num_classes)
-        self.eval = RandomTokens(n_eval, seq_len, vocab_size, seed + 1, num_classes)
+        self.eval = RandomTokens(n_eval, seq_len, vocab_size, (seed + 1) % 2**64, num_classes)
 
     def encode(self, text):
         return [ord(c) % self.vocab_size for c in text]
@@ -95,8 +96,9 @@ class RandomCorpus(Corpus):
 class PythonSource(Corpus):
     """The standard library's ``*.py`` files, byte-level BPE, split by file into train/eval."""
 
-    def __init__(self, seq_len: int, vocab_size: int = 2048, max_bytes: int = 3_000_000,
-                 eval_fraction: float = 0.05, root: str | None = None, cache_dir: str | None = None):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int] = 2048, max_bytes: Positive[int] = 3_000_000,
+                 eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05, root: str | None = None,
+                 cache_dir: str | None = None):
         from tokenizers import Tokenizer
 
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)
@@ -167,6 +169,7 @@ def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+EvalFraction = Annotated[float, Range(ge=0, lt=1)]   # 0: no held-out data
 ENCODE_BATCH_CHARS = 8 << 20   # text handed to the tokenizer at once (its threads split the batch)
 
 
@@ -180,14 +183,7 @@ class FileCorpus(Corpus):
     kind = "text"
 
     def __init__(self, path, seq_len: int, tokenizer: str | None, vocab_size: int, eval_path, eval_fraction: float,
-                 seed: int, errors: str):
-        if errors not in ("strict", "replace"):
-            raise ConfigError("data.errors", f"data.errors={errors!r} is not a choice", "use strict or replace")
-        if not 0 <= eval_fraction < 1:
-            raise ConfigError("data.eval_fraction", f"data.eval_fraction={eval_fraction} is not in [0, 1)",
-                              "use e.g. 0.05 (0: no held-out data)")
-        if seq_len < 1:
-            raise ConfigError("data.seq_len", f"seq_len={seq_len} must be at least 1", "use e.g. model.seq_len=128")
+                 seed: int, errors: str):  # checked by looplib.schema against the subclasses' annotations
         self.seq_len, self.errors, self.seed, self.chat = seq_len, errors, seed, None
         files = resolve_files(path, "data.path")
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
@@ -280,9 +276,9 @@ class TextCorpus(FileCorpus):
 
     kind = "text"
 
-    def __init__(self, path: str | list[str] | None, seq_len: int, tokenizer: str | None = None,
-                 vocab_size: int = 8192, field: str = "text", eval_path: str | list[str] | None = None,
-                 eval_fraction: float = 0.05, seed: int = 0, errors: Literal["strict", "replace"] = "strict"):
+    def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
+                 vocab_size: Positive[int] = 8192, field: str = "text", eval_path: str | list[str] | None = None,
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
         self.field = field
         super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
 
@@ -337,10 +333,10 @@ class InstructCorpus(FileCorpus):
     kind = "instruct"
     padded = True
 
-    def __init__(self, path: str | list[str] | None, seq_len: int, tokenizer: str | None = None,
-                 vocab_size: int = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
+    def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
+                 vocab_size: Positive[int] = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
                  messages_field: str = "messages", pack: bool = False, eval_path: str | list[str] | None = None,
-                 eval_fraction: float = 0.05, seed: int = 0, errors: Literal["strict", "replace"] = "strict"):
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
         self.fields = {"prompt": prompt_field, "completion": completion_field, "messages": messages_field}
         self.pack = pack
         super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
@@ -420,11 +416,11 @@ class ClassificationCorpus(FileCorpus):
     kind = "classification"
     padded = True
 
-    def __init__(self, seq_len: int, path: str | list[str] | None = None, text_field: str = "text",
+    def __init__(self, seq_len: Positive[int], path: str | list[str] | None = None, text_field: str = "text",
                  label_field: str = "label", label_names: list[str] | None = None, tokenizer: str | None = None,
-                 vocab_size: int = 30522, eval_path: str | list[str] | None = None, eval_fraction: float = 0.05,
-                 seed: int = 0, errors: Literal["strict", "replace"] = "strict",
-                 n_train: int = 512, n_eval: int = 64, num_classes: int = 2):
+                 vocab_size: Positive[int] = 30522, eval_path: str | list[str] | None = None,
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict",
+                 n_train: Positive[int] = 512, n_eval: NonNegative[int] = 64, num_classes: Positive[int] = 2):
         self.fields = {"text": text_field, "label": label_field}
         self.given_names = list(label_names) if label_names else None
         if path is None:  # the guides' experiment, exactly as RandomCorpus builds it
