@@ -387,6 +387,8 @@ def test_unshifted_labels_are_refused():
     with pytest.raises(ConfigError, match="labels equal its input_ids") as err:
         TokenCrossEntropy().count({"input_ids": ids, "labels": ids.clone()})
     assert "\n" not in str(err.value)
+    same = torch.full((1, 9), 7)  # one repeated token: equal to its own shift, rightly
+    assert TokenCrossEntropy().count({"input_ids": same, "labels": same}) == 9
 
 
 def bad_cases(tmp_path, tok_file, tok):
