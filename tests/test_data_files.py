@@ -445,3 +445,13 @@ def test_cli_text_run_and_bad_path(tmp_path):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines()[-1] == f"looplib: error: data.path: {tmp_path / 'missing.jsonl'} does not exist; " \
         "give an existing file, directory or glob in data.path"
+
+
+def test_vocab_size_follows_the_tokenizer(tok_file, tok):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])
+        trained = compose(config_name="config", overrides=["data=text"])
+    assert given.data.vocab_size == given.model.vocab_size == tok.get_vocab_size() == 300
+    assert trained.data.vocab_size == 8192 and trained.data.tokenizer is None
