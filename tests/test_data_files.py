@@ -404,7 +404,8 @@ def bad_cases(tmp_path, tok_file, tok):
     write_jsonl(tmp_path / "train.jsonl", [{"text": "a", "label": "pos"}, {"text": "b", "label": "neg"}])
     write_jsonl(tmp_path / "held.jsonl", [{"text": "c", "label": "pos"}, {"text": "d", "label": "maybe"}])
     return {
-        "missing path": (lambda: TextCorpus(str(tmp_path / "nope"), 8, **t), "data.path: " + str(tmp_path / "nope") + " does not exist"),
+        "missing path": (lambda: TextCorpus(str(tmp_path / "nope"), 8, **t),
+                         f"data.path: {tmp_path / 'nope'} does not exist"),
         "no path": (lambda: TextCorpus(None, 8, **t), "data.path: no files given"),
         "empty files": (lambda: TextCorpus(str(tmp_path / "empty"), 8, **t), "holds no text"),
         "not JSON": (lambda: TextCorpus(str(tmp_path / "bad.jsonl"), 8, **t), f"{tmp_path / 'bad.jsonl'}:3 is not JSON"),
@@ -414,7 +415,8 @@ def bad_cases(tmp_path, tok_file, tok):
         "non-UTF-8": (lambda: TextCorpus(str(tmp_path / "latin1.txt"), 8, **t), "is not UTF-8 text (byte 13"),
         "too short": (lambda: TextCorpus(str(tmp_path / "short.txt"), 64, eval_fraction=0, **t), "too few for one window"),
         "one document": (lambda: TextCorpus(str(tmp_path / "short.txt"), 2, **t), "data.eval_fraction"),
-        "unknown eval label": (lambda: ClassificationCorpus(8, str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "held.jsonl"), **t),
+        "unknown eval label": (lambda: ClassificationCorpus(8, str(tmp_path / "train.jsonl"),
+                                                            eval_path=str(tmp_path / "held.jsonl"), **t),
                                "data.eval_path: label 'maybe'"),
         "vocab mismatch": (lambda: TextCorpus(str(tmp_path / "short.txt"), 8, tokenizer=str(tok_file), vocab_size=99),
                            "data.vocab_size=99 but the tokenizer"),

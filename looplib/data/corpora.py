@@ -469,7 +469,9 @@ class ClassificationCorpus(FileCorpus):
 
 
 def is_whole(value) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and re.fullmatch(r"\d+", value.strip()) is not None)
+    if isinstance(value, str):
+        return re.fullmatch(r"\d+", value.strip()) is not None
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def label_names(raw: list) -> list[str]:
