@@ -274,8 +274,9 @@ def test_trained_tokenizer_when_none_is_given(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
-    """128 MB of tokens, 4x the 32 MB the process may grow by: a few training steps, then every
-    window read once. The resident set (sampled after every read) stays within the bound."""
+    """128 MB of tokens, 4x the 32 MB the process may grow by: a few training steps, every long
+    window read once, then short windows all over the file. The resident set (sampled after
+    every read) stays within the bound."""
     from looplib.data.cache import FORMAT
 
     root, n = tmp_path / "big", 64 << 20
@@ -308,6 +309,9 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
         base, peak, sweep = rss(), 0, TokenWindows(data, np.arange(1), 1 << 18)
         for i in range(len(sweep)):  # ru_maxrss would hide growth under the training's own peak
             assert int(sweep[i]["labels"][-1]) == (i + 1) * (1 << 18) % 64
+            peak = max(peak, rss())
+        for i in torch.randperm(len(train))[:4000].tolist():  # short reads all over the file
+            train[i]
             peak = max(peak, rss())
         print(len(train), len(sweep), peak - base)
     """)
