@@ -16,9 +16,12 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from .engines.launch import register_resolvers
 from .errors import ConfigError
 from .optim import LR, WEIGHT_DECAY
 from .schema import NonNegative, Positive, Seed, check_options, default_of, parameters, refuse_unknown, show
+
+register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composing needs them)
 
 # Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
 # absent group means this option, read from the same YAML file `+group=option` would use.
