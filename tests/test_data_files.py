@@ -157,7 +157,7 @@ def test_packing_keeps_examples_apart_and_whole(tmp_path, tok_file, tok):
     assert k == len(single.train)  # every example once, in order
     # and no attention across examples: the packed loss is the sum of the examples' own losses
     torch.manual_seed(0)
-    model = CausalLM("llama", seq_len=64, vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+    model = CausalLM(seq_len=64, model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     loss, n = TokenCrossEntropy(), len((packed.train[0]["position_ids"] == 0).nonzero())
     together = loss(model, packed.collate([packed.train[0], packed.train[1]]))
@@ -456,6 +456,8 @@ def test_cli_text_run_and_bad_path(tmp_path):
 def test_vocab_size_follows_the_tokenizer(tok_file, tok):
     from hydra import compose, initialize_config_module
 
+    from looplib.engines.launch import register_resolvers
+    register_resolvers()  # as looplib.train does
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])
         trained = compose(config_name="config", overrides=["data=text"])
