@@ -59,7 +59,9 @@ class TokenCrossEntropy:
 
     def count(self, batch) -> int:
         labels, ids = batch["labels"], batch.get("input_ids")
-        if ids is not None and labels.shape == ids.shape and torch.equal(labels, ids):
+        # (a batch of one repeated token is equal to its own shift: not a sign of the mistake)
+        if ids is not None and labels.shape == ids.shape and torch.equal(labels, ids) \
+                and bool((ids[..., 1:] != ids[..., :-1]).any()):
             raise ConfigError("data", "the batch's labels equal its input_ids: they are not shifted to the next "
                               "token, so the model would learn to copy its input",
                               "make labels[t] = input_ids[t+1] (looplib.data.next_token_example)")

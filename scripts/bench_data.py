@@ -108,7 +108,7 @@ def wait_share(files: list[Path], tok_path: Path, work: Path, steps: int, worker
 
 
 RSS_SCRIPT = textwrap.dedent("""
-    import json, os, sys, threading, time, numpy as np, torch
+    import json, os, re, sys, threading, time, numpy as np, torch
     from pathlib import Path
     from looplib import AdamW, TokenCrossEntropy, fit
     from looplib.data import TokenWindows, build_loader
@@ -122,16 +122,30 @@ RSS_SCRIPT = textwrap.dedent("""
         except (OSError, StopIteration):
             return 0.0
 
-    def tree():
-        kids = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
-        return rss_mb(os.getpid()), rss_mb(os.getpid(), "Pss") + sum(rss_mb(k, "Pss") for k in kids)
+    def token_pages(pid):  # resident pages of the token file's mapping in one process
+        try:
+            lines, total, inside = Path(f"/proc/{pid}/smaps").read_text().splitlines(), 0, False
+        except OSError:
+            return 0.0
+        for line in lines:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header: address range ... path
+                inside = line.endswith("tokens.bin")
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total / 1024
 
-    peak = {"main": 0.0, "all": 0.0}
+    def tree():
+        me = os.getpid()
+        kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+        return (rss_mb(me), rss_mb(me, "Pss") + sum(rss_mb(k, "Pss") for k in kids),
+                token_pages(me) + sum(token_pages(k) for k in kids))
+
+    peak = {"main": 0.0, "all": 0.0, "file": 0.0}
     def watch():
         while True:
-            main, kids = tree()
-            peak["main"], peak["all"] = max(peak["main"], main), max(peak["all"], main + kids)
-            time.sleep(0.02)
+            for key, value in zip(("main", "all", "file"), tree()):
+                peak[key] = max(peak[key], value)
+            time.sleep(0.05)
     threading.Thread(target=watch, daemon=True).start()
     data = load(Path(sys.argv[1]))
     steps, workers = int(sys.argv[2]), int(sys.argv[3])
@@ -184,34 +198,49 @@ def main() -> None:
     p.add_argument("--text-mb", type=float, default=None)
     p.add_argument("--tokens-gb", type=float, default=None)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--parts", default="throughput,wait,rss", help="which figures (comma-separated)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     text_mb = args.text_mb or (1 if args.small else 20)
     tokens_gb = args.tokens_gb or (0.0625 if args.small else 2.0)
     steps = 10 if args.small else 40
     work = Path(tempfile.mkdtemp(prefix="bench_data-"))
     try:
-        files = make_texts(work / "texts", int(text_mb * 1e6))
-        tok = tokenizer_file(files, work)
-        tp = throughput(files, tok, work, repeats=2 if args.small else 3)
-        ws = wait_share(files, tok, work, steps, args.workers)
-        rss = peak_rss(work, tokens_gb, steps, args.workers)
+        files = make_texts(work / "texts", int(text_mb * 1e6)) if parts & {"throughput", "wait"} else []
+        tok = tokenizer_file(files, work) if files else None
+        tp = throughput(files, tok, work, repeats=2 if args.small else 3) if "throughput" in parts else None
+        if "wait" in parts and tp is None:
+            throughput(files, tok, work, repeats=1)  # the cache the CLI run reads
+        ws = wait_share(files, tok, work, steps, args.workers) if "wait" in parts else None
+        rss = peak_rss(work, tokens_gb, steps, args.workers) if "rss" in parts else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nbench_data ({os.cpu_count()} CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')})\n")
     print("| figure | value |\n|---|---|")
+    if tp:
+        print_throughput(tp, files)
+    if ws:
+        print(f"| data_wait_share, model=tiny, {args.workers} workers, {steps} steps (max / mean of logged rows) | "
+              f"{ws['share']:.4f} / {ws['mean']:.4f} ({ws['tok_s']:.0f} tokens/s) |")
+    if rss:
+        print_rss(rss, steps)
+
+
+def print_throughput(tp, files):
     print(f"| text tokenised | {tp['mb']:.1f} MB in {len(files)} files, {tp['tokens'] / 1e6:.1f} M tokens |")
     print(f"| tokenizers encode_batch | {tp['encode_batch']:.2f} MB/s |")
     print(f"| tokenizers encode_batch_fast | {tp['encode_batch_fast']:.2f} MB/s |")
     print(f"| looplib token cache (read, hash, tokenise, write) | {tp['looplib']:.2f} MB/s |")
     print(f"| ratio looplib / encode_batch | {tp['looplib'] / tp['encode_batch']:.2f} |")
     print(f"| ratio looplib / encode_batch_fast | {tp['looplib'] / tp['encode_batch_fast']:.2f} |")
-    print(f"| data_wait_share, model=tiny, {args.workers} workers, {steps} steps (max / mean of logged rows) | "
-          f"{ws['share']:.4f} / {ws['mean']:.4f} ({ws['tok_s']:.0f} tokens/s) |")
+
+
+def print_rss(rss, steps):
     print(f"| memory-mapped corpus | {rss['gb']:.2f} GB of tokens |")
     for name, what in (("before", "before any data (imports, model)"), ("train", f"training {steps} steps"),
                        ("sweep", "then reading every window once")):
-        print(f"| peak memory {what}: main RSS / main + workers PSS | {rss[name]['main']:.0f} / "
-              f"{rss[name]['all']:.0f} MB |")
+        print(f"| peak memory {what}: main RSS / main + workers PSS / mapped file pages, all | "
+              f"{rss[name]['main']:.0f} / {rss[name]['all']:.0f} / {rss[name]['file']:.0f} MB |")
     print(f"| read | {rss['seen'] * 2 / 2**30:.2f} GB in {rss['read_s']:.1f} s |")
 
 

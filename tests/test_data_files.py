@@ -157,7 +157,7 @@ def test_packing_keeps_examples_apart_and_whole(tmp_path, tok_file, tok):
     assert k == len(single.train)  # every example once, in order
     # and no attention across examples: the packed loss is the sum of the examples' own losses
     torch.manual_seed(0)
-    model = CausalLM(model_type="llama", seq_len=64, vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+    model = CausalLM(seq_len=64, model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     loss, n = TokenCrossEntropy(), len((packed.train[0]["position_ids"] == 0).nonzero())
     together = loss(model, packed.collate([packed.train[0], packed.train[1]]))
@@ -274,8 +274,9 @@ def test_trained_tokenizer_when_none_is_given(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
-    """128 MB of tokens, 4x the 32 MB the process may grow by: a few training steps, then every
-    window read once. The resident set (sampled after every read) stays within the bound."""
+    """128 MB of tokens, 4x the 32 MB the process may grow by: a few training steps, every long
+    window read once, then short windows all over the file. The resident set (sampled after
+    every read) stays within the bound."""
     from looplib.data.cache import FORMAT
 
     root, n = tmp_path / "big", 64 << 20
@@ -308,6 +309,9 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
         base, peak, sweep = rss(), 0, TokenWindows(data, np.arange(1), 1 << 18)
         for i in range(len(sweep)):  # ru_maxrss would hide growth under the training's own peak
             assert int(sweep[i]["labels"][-1]) == (i + 1) * (1 << 18) % 64
+            peak = max(peak, rss())
+        for i in torch.randperm(len(train))[:4000].tolist():  # short reads all over the file
+            train[i]
             peak = max(peak, rss())
         print(len(train), len(sweep), peak - base)
     """)
@@ -387,6 +391,8 @@ def test_unshifted_labels_are_refused():
     with pytest.raises(ConfigError, match="labels equal its input_ids") as err:
         TokenCrossEntropy().count({"input_ids": ids, "labels": ids.clone()})
     assert "\n" not in str(err.value)
+    same = torch.full((1, 9), 7)  # one repeated token: equal to its own shift, rightly
+    assert TokenCrossEntropy().count({"input_ids": same, "labels": same}) == 9
 
 
 def bad_cases(tmp_path, tok_file, tok):
@@ -402,7 +408,8 @@ def bad_cases(tmp_path, tok_file, tok):
     write_jsonl(tmp_path / "train.jsonl", [{"text": "a", "label": "pos"}, {"text": "b", "label": "neg"}])
     write_jsonl(tmp_path / "held.jsonl", [{"text": "c", "label": "pos"}, {"text": "d", "label": "maybe"}])
     return {
-        "missing path": (lambda: TextCorpus(str(tmp_path / "nope"), 8, **t), "data.path: " + str(tmp_path / "nope") + " does not exist"),
+        "missing path": (lambda: TextCorpus(str(tmp_path / "nope"), 8, **t),
+                         f"data.path: {tmp_path / 'nope'} does not exist"),
         "no path": (lambda: TextCorpus(None, 8, **t), "data.path: no files given"),
         "empty files": (lambda: TextCorpus(str(tmp_path / "empty"), 8, **t), "holds no text"),
         "not JSON": (lambda: TextCorpus(str(tmp_path / "bad.jsonl"), 8, **t), f"{tmp_path / 'bad.jsonl'}:3 is not JSON"),
@@ -412,7 +419,8 @@ def bad_cases(tmp_path, tok_file, tok):
         "non-UTF-8": (lambda: TextCorpus(str(tmp_path / "latin1.txt"), 8, **t), "is not UTF-8 text (byte 13"),
         "too short": (lambda: TextCorpus(str(tmp_path / "short.txt"), 64, eval_fraction=0, **t), "too few for one window"),
         "one document": (lambda: TextCorpus(str(tmp_path / "short.txt"), 2, **t), "data.eval_fraction"),
-        "unknown eval label": (lambda: ClassificationCorpus(8, str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "held.jsonl"), **t),
+        "unknown eval label": (lambda: ClassificationCorpus(8, str(tmp_path / "train.jsonl"),
+                                                            eval_path=str(tmp_path / "held.jsonl"), **t),
                                "data.eval_path: label 'maybe'"),
         "vocab mismatch": (lambda: TextCorpus(str(tmp_path / "short.txt"), 8, tokenizer=str(tok_file), vocab_size=99),
                            "data.vocab_size=99 but the tokenizer"),
@@ -443,3 +451,15 @@ def test_cli_text_run_and_bad_path(tmp_path):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines()[-1] == f"looplib: error: data.path: {tmp_path / 'missing.jsonl'} does not exist; " \
         "give an existing file, directory or glob in data.path"
+
+
+def test_vocab_size_follows_the_tokenizer(tok_file, tok):
+    from hydra import compose, initialize_config_module
+
+    from looplib.engines.launch import register_resolvers
+    register_resolvers()  # as looplib.train does
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])
+        trained = compose(config_name="config", overrides=["data=text"])
+    assert given.data.vocab_size == given.model.vocab_size == tok.get_vocab_size() == 300
+    assert trained.data.vocab_size == 8192 and trained.data.tokenizer is None

@@ -4,8 +4,8 @@ A cache directory ``<kind>-<key>/`` holds
 
 - ``tokens.bin``: every document's token ids back to back (uint16, or uint32 for vocabularies
   over 65536), read through ``mmap``: nothing is loaded up front, DataLoader workers share the
-  operating system's page cache, and ``TokenFile`` hands pages back to the kernel every
-  ``RELEASE_BYTES`` read, so a corpus larger than RAM trains with bounded memory;
+  operating system's page cache, and ``TokenFile`` unmaps what it has read every few reads
+  (``madvise(MADV_DONTNEED)``), so a corpus larger than RAM trains with bounded memory;
 - ``target.bin`` (instruct data): one byte per token, 1 where the token carries loss;
 - ``offsets.npy``: where each document starts (and the end);
 - ``meta.json``, written last: the format, sizes, labels (classification data).
@@ -35,7 +35,7 @@ from .tokenizer import cache_root
 log = logging.getLogger("looplib")
 
 FORMAT = 1
-RELEASE_BYTES = 16 << 20
+RELEASE_READS, RELEASE_BYTES = 8, 16 << 20   # how often a TokenFile unmaps what it has read
 PROGRESS_BYTES = 32 << 20   # inputs larger than this get a progress bar (on a terminal)
 
 
@@ -45,7 +45,7 @@ class TokenFile:
 
     def __init__(self, path: Path, dtype: str, length: int):
         self.path, self.dtype, self.length = Path(path), np.dtype(dtype), length
-        self._map, self._array, self._read = None, None, 0
+        self._map, self._array, self._reads, self._bytes = None, None, 0, 0
 
     @property
     def array(self) -> np.ndarray:
@@ -59,13 +59,16 @@ class TokenFile:
         return self._array
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """A copy of ``[start, stop)``. Pages read stay in the page cache (shared, reclaimable)
-        but are unmapped from this process now and then, so its resident set stays small."""
+        """A copy of ``[start, stop)``. The pages read stay in the page cache (shared between
+        processes, reclaimable) but are unmapped from this process every ``RELEASE_READS``
+        reads or ``RELEASE_BYTES`` bytes: a read fault may map far more than was asked for
+        (fault-around, large folios), so short reads are counted as well as bytes."""
         out = np.array(self.array[start:stop])
-        self._read += out.nbytes
-        if self._read >= RELEASE_BYTES and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        self._reads, self._bytes = self._reads + 1, self._bytes + out.nbytes
+        if (self._reads >= RELEASE_READS or self._bytes >= RELEASE_BYTES) and hasattr(mmap, "MADV_DONTNEED") \
+                and self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
-            self._read = 0
+            self._reads, self._bytes = 0, 0
         return out
 
     def __len__(self):

@@ -169,6 +169,7 @@ def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+EvalFraction = Annotated[float, Range(ge=0, lt=1)]   # 0: no held-out data
 ENCODE_BATCH_CHARS = 8 << 20   # text handed to the tokenizer at once (its threads split the batch)
 
 
@@ -182,14 +183,7 @@ class FileCorpus(Corpus):
     kind = "text"
 
     def __init__(self, path, seq_len: int, tokenizer: str | None, vocab_size: int, eval_path, eval_fraction: float,
-                 seed: int, errors: str):
-        if errors not in ("strict", "replace"):
-            raise ConfigError("data.errors", f"data.errors={errors!r} is not a choice", "use strict or replace")
-        if not 0 <= eval_fraction < 1:
-            raise ConfigError("data.eval_fraction", f"data.eval_fraction={eval_fraction} is not in [0, 1)",
-                              "use e.g. 0.05 (0: no held-out data)")
-        if seq_len < 1:
-            raise ConfigError("data.seq_len", f"seq_len={seq_len} must be at least 1", "use e.g. model.seq_len=128")
+                 seed: int, errors: str):  # checked by looplib.schema against the subclasses' annotations
         self.seq_len, self.errors, self.seed, self.chat = seq_len, errors, seed, None
         files = resolve_files(path, "data.path")
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
@@ -282,9 +276,9 @@ class TextCorpus(FileCorpus):
 
     kind = "text"
 
-    def __init__(self, path: str | list[str] | None, seq_len: int, tokenizer: str | None = None,
-                 vocab_size: int = 8192, field: str = "text", eval_path: str | list[str] | None = None,
-                 eval_fraction: float = 0.05, seed: int = 0, errors: Literal["strict", "replace"] = "strict"):
+    def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
+                 vocab_size: Positive[int] = 8192, field: str = "text", eval_path: str | list[str] | None = None,
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
         self.field = field
         super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
 
@@ -339,10 +333,10 @@ class InstructCorpus(FileCorpus):
     kind = "instruct"
     padded = True
 
-    def __init__(self, path: str | list[str] | None, seq_len: int, tokenizer: str | None = None,
-                 vocab_size: int = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
+    def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
+                 vocab_size: Positive[int] = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
                  messages_field: str = "messages", pack: bool = False, eval_path: str | list[str] | None = None,
-                 eval_fraction: float = 0.05, seed: int = 0, errors: Literal["strict", "replace"] = "strict"):
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
         self.fields = {"prompt": prompt_field, "completion": completion_field, "messages": messages_field}
         self.pack = pack
         super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
@@ -422,11 +416,11 @@ class ClassificationCorpus(FileCorpus):
     kind = "classification"
     padded = True
 
-    def __init__(self, seq_len: int, path: str | list[str] | None = None, text_field: str = "text",
+    def __init__(self, seq_len: Positive[int], path: str | list[str] | None = None, text_field: str = "text",
                  label_field: str = "label", label_names: list[str] | None = None, tokenizer: str | None = None,
-                 vocab_size: int = 30522, eval_path: str | list[str] | None = None, eval_fraction: float = 0.05,
-                 seed: int = 0, errors: Literal["strict", "replace"] = "strict",
-                 n_train: int = 512, n_eval: int = 64, num_classes: int = 2):
+                 vocab_size: Positive[int] = 30522, eval_path: str | list[str] | None = None,
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict",
+                 n_train: Positive[int] = 512, n_eval: NonNegative[int] = 64, num_classes: Positive[int] = 2):
         self.fields = {"text": text_field, "label": label_field}
         self.given_names = list(label_names) if label_names else None
         if path is None:  # the guides' experiment, exactly as RandomCorpus builds it
@@ -475,7 +469,9 @@ class ClassificationCorpus(FileCorpus):
 
 
 def is_whole(value) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and re.fullmatch(r"\d+", value.strip()) is not None)
+    if isinstance(value, str):
+        return re.fullmatch(r"\d+", value.strip()) is not None
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def label_names(raw: list) -> list[str]:

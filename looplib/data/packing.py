@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .cache import TokenFile, Tokenised
+from .cache import Tokenised
 
 IGNORE = -100  # a label that carries no loss (prompt tokens, padding)
 
