@@ -229,3 +229,15 @@ def test_zero3_lora_export_gathers_the_shards(tiny_pretrained, tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained)
     ids = ids_batch()
     assert not torch.allclose(logits_of(loaded, ids), logits_of(base, ids), atol=1e-4)
+
+
+def test_large_exports_are_sharded_and_a_sharded_directory_loads(tiny_pretrained, tmp_path):
+    from looplib import FullModel
+    from looplib.hf import CausalLM
+    model = CausalLM(seq_len=SEQ, path=str(tiny_pretrained), max_shard_size="100KB")
+    FullModel().save(model, tmp_path, corpus=corpus_like(tiny_pretrained))
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    again = CausalLM(seq_len=SEQ, path=str(tmp_path / "hf"))   # fine-tuning starts from the shards
+    ids = ids_batch()
+    torch.testing.assert_close(logits_of(again, ids), logits_of(model, ids), rtol=0, atol=0)
