@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .schema import Positive
 from .models.gpt import GPT
 from .objectives import TokenCrossEntropy
 
@@ -47,7 +48,7 @@ class HFModel(nn.Module):
     path_is_base = True       # a LoRA adapter's base_model_name_or_path can be model.path
     own_keys: tuple[str, ...] = ()
 
-    def __init__(self, seq_len: int, path: str | None = None, model_type: str | None = None,
+    def __init__(self, seq_len: Positive[int], path: str | None = None, model_type: str | None = None,
                  gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
                  max_shard_size: str = "2GB", config: dict | None = None, **extra):
         super().__init__()
@@ -156,7 +157,7 @@ class CausalLM(HFModel):
     (non-reentrant); ``attn_implementation: sdpa`` uses PyTorch's fused attention kernels.
     """
 
-    def __init__(self, seq_len: int, path: str | None = None, model_type: str | None = None,
+    def __init__(self, seq_len: Positive[int], path: str | None = None, model_type: str | None = None,
                  gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
                  max_shard_size: str = "2GB", **config):
         super().__init__(seq_len, path, model_type, gradient_checkpointing, attn_implementation,
@@ -182,7 +183,7 @@ class SequenceClassifier(HFModel):
     # its own number of labels, so a classifier's adapter points at hf_base/ (num_labels, label map)
     path_is_base = False
 
-    def __init__(self, seq_len: int, num_labels: int = 2, path: str | None = None, model_type: str | None = None,
+    def __init__(self, seq_len: Positive[int], num_labels: Positive[int] = 2, path: str | None = None, model_type: str | None = None,
                  gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
                  max_shard_size: str = "2GB", **config):
         if num_labels < 1:

@@ -68,8 +68,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor | N
     if not grads:
         return None
     if max_norm:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    # FSDP: the norm of sharded gradients is a replicated DTensor holding the global norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @torch.inference_mode()

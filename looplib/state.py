@@ -379,7 +379,10 @@ class Checkpoints:
 
         saved_cfg = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
         now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
-        accepted = check_resume_config(saved_cfg, now_cfg)
+        # an engine may accept a change the saved config alone cannot judge (FSDP: another
+        # number of processes splitting the same global batch differently)
+        reshard = getattr(self.engine, "resume_config", None)
+        accepted = (reshard(saved_cfg, now_cfg, path) if reshard else []) + check_resume_config(saved_cfg, now_cfg)
         p = self.parts
         if hasattr(self.engine, "load_checkpoint"):  # the engine's own format (DeepSpeed)
             blob = self.engine.load_checkpoint(path.parent, tag=path.name)

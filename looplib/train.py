@@ -19,9 +19,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import autobatch
+from . import autobatch, loggers
 from .accumulation import Accumulation
-from .build import Settings, check_settings, fill_strategy_defaults, instantiate
+from .build import Settings, blame, check_config, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
@@ -51,18 +51,20 @@ class Job:
     peft: Any = None          # looplib.adapters: FullModel (null) or LoRA
     compile: Any = None       # looplib.compile: Compile (eager, null) or TorchCompile
     evaluation: Any = None    # looplib.evaluation: Evaluation (null) or HalfWeights
+    logger: Any = None        # looplib.loggers: Loggers of the +logger= choices (none: the null Logger)
 
 
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
-    settings = check_settings(cfg)
-    fill_strategy_defaults(cfg)
+    settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
+    trackers = loggers.build(cfg)  # +logger= choices: keys checked, libraries imported (a missing one: ConfigError)
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     engine.check(settings, precision, job.optim)
+    job.logger = trackers
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
     job.corpus = instantiate(cfg, "data")
@@ -82,13 +84,16 @@ def run(job: Job, run_dir: Path) -> TrainState:
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
     collate = getattr(job.corpus, "collate", None)  # padded data: the corpus pads each batch
-    train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
+    with blame("loader"):
+        train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
+                             rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
                             device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
-    optimizer = job.optim.build(job.model)
-    scheduler = job.schedule.build(optimizer, s.max_steps)
+    with blame("optim", job.cfg):
+        optimizer = job.optim.build(job.model)
+    with blame("schedule", job.cfg):
+        scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
@@ -98,6 +103,7 @@ def run(job: Job, run_dir: Path) -> TrainState:
     with Preemption() as preemption:
         checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                          precision=job.precision, epochs=epochs, preemption=preemption)
+        logged = loggers.logged_steps(run_dir / "metrics.jsonl") if s.resume else {}  # before resume() cuts it
         if s.resume:
             resume(checkpoints, state, s.resume, run_dir)
         if engine.is_main:
@@ -106,7 +112,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 job.corpus.save(run_dir)  # e.g. labels.json
         telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                               device=engine.device, enabled=engine.is_main, progress=s.progress,
-                              **mfu_settings(job))
+                              **mfu_settings(job), logger=job.logger if engine.is_main else None,
+                              run=loggers.describe(job.cfg, run_dir, state.step, logged))
         telemetry.resumed_from = state.step or None
         telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
         telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
@@ -121,6 +128,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
                 eval_data=eval_batches, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)
+            if state.preempted:
+                telemetry.finish("preempted", loggers.artefacts(run_dir))
             if state.preempted and checkpoints.root is None:
                 log.warning("preempted (signal %s) at step %d: checkpoint.enabled=false, so nothing was saved; "
                             "exit %d", preemption.signum, state.step, EXIT_PREEMPTED)
@@ -134,10 +143,11 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
+            # model.safetensors, or hf/ for a transformers model (every rank: ZeRO-3 gathers), or the adapter
+            job.peft.save(job.model, run_dir, engine, job.corpus)
+            telemetry.finish("finished", loggers.artefacts(run_dir))
         finally:
-            telemetry.close()
-    # model.safetensors, or hf/ for a transformers model (every rank: ZeRO-3 gathers), or the adapter
-    job.peft.save(job.model, run_dir, engine, job.corpus)
+            telemetry.close()  # trackers not finished above end as failed
     if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
         print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)

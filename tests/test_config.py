@@ -29,11 +29,21 @@ def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, 
     monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path))
     prefix = "" if group in IN_DEFAULTS else "+"
     data = [] if group == "data" else ["data=random"]
+    if (group, option) in (("data", "text"), ("data", "instruct")):  # the user's files: a few records
+        rows = "".join(f'{{"text": "{"def f(x): return x " * 40}", "prompt": "p{i}", "completion": "c"}}\n' for i in range(9))
+        (tmp_path / "records.jsonl").write_text(rows)
+        data = [f"data.path={tmp_path / 'records.jsonl'}", "data.eval_fraction=0"]
     if group == "model" and option.startswith("hf"):  # a pretrained directory is what they load
         data += [f"model.path={request.getfixturevalue('tiny_pretrained')}", "model.seq_len=16"]
     cfg = compose_with(f"{prefix}{group}={option}", *data)
     check_settings(cfg)
     fill_strategy_defaults(cfg)
+    if group == "logger":  # each option sits under its own name (logger.<option>), so several can be chosen
+        pytest.importorskip(option)
+        from looplib import loggers
+        [obj] = loggers.build(cfg).loggers
+        assert type(obj) is _locate(cfg.logger[option]._target_)
+        return
     obj = instantiate(cfg, group)
     assert type(obj) is _locate(cfg[group]._target_)
     if group == "model":
@@ -82,7 +92,7 @@ def test_the_cli_key_set_is_frozen():
     ("lr", -1, "lr must be positive"),
     ("lr", "fast", "lr='fast' is not a number"),
     ("max_grad_norm", -2.0, "max_grad_norm must not be negative"),
-    ("progress", "loud", "progress='loud' is not a choice"),
+    ("progress", "loud", "progress='loud' is not one of auto, bar or lines"),
 ])
 def test_settings_errors_name_the_key(key, value, message):
     cfg = compose_with(f"{key}={value}")

@@ -15,7 +15,6 @@ from .loading import EpochSampler, Epochs, build_loader
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
 from .tokenizer import register_resolvers
 
-register_resolvers()  # ${looplib.vocab_size:...} in the data groups
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",

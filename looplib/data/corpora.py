@@ -12,13 +12,14 @@ import re
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Annotated, Iterator, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError
+from ..schema import NonNegative, Positive, Range, Seed
 from .cache import Tokenised, build as build_cache, cache_key, progress
 from .packing import Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows
 from .readers import content_digest, field, is_records, records, resolve_files, text_field, text_pieces
@@ -82,11 +83,11 @@ class Corpus:
 class RandomCorpus(Corpus):
     """Random tokens for both splits (tests, benchmarks, the BERT-sized classifier)."""
 
-    def __init__(self, seq_len: int, vocab_size: int, n_train: int = 512, n_eval: int = 64,
-                 num_classes: int = 0, seed: int = 0):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int], n_train: Positive[int] = 512,
+                 n_eval: NonNegative[int] = 64, num_classes: NonNegative[int] = 0, seed: Seed = 0):
         self.vocab_size = vocab_size
         self.train = RandomTokens(n_train, seq_len, vocab_size, seed, num_classes)
-        self.eval = RandomTokens(n_eval, seq_len, vocab_size, seed + 1, num_classes)
+        self.eval = RandomTokens(n_eval, seq_len, vocab_size, (seed + 1) % 2**64, num_classes)
 
     def encode(self, text):
         return [ord(c) % self.vocab_size for c in text]
@@ -95,8 +96,9 @@ class RandomCorpus(Corpus):
 class PythonSource(Corpus):
     """The standard library's ``*.py`` files, byte-level BPE, split by file into train/eval."""
 
-    def __init__(self, seq_len: int, vocab_size: int = 2048, max_bytes: int = 3_000_000,
-                 eval_fraction: float = 0.05, root: str | None = None, cache_dir: str | None = None):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int] = 2048, max_bytes: Positive[int] = 3_000_000,
+                 eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05, root: str | None = None,
+                 cache_dir: str | None = None):
         from tokenizers import Tokenizer
 
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)

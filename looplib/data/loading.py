@@ -33,7 +33,7 @@ class EpochSampler(Sampler[int]):
 
     def indices(self) -> torch.Tensor:
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # any 64-bit seed, any epoch
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
@@ -65,7 +65,7 @@ class Epochs:
             if isinstance(sampler, EpochSampler):
                 sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
                 if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
-                    self.loader.generator.manual_seed(sampler.seed * 100_003 + self.epoch)
+                    self.loader.generator.manual_seed((sampler.seed * 100_003 + self.epoch) % 2**64)
             yield self._count(self.loader)
             self.epoch, self.batches_seen = self.epoch + 1, 0
 

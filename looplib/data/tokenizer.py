@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from omegaconf import OmegaConf
 
 from ..errors import ConfigError
 
@@ -195,6 +194,7 @@ def tokenizer_size(spec, default: int) -> int:
 
 
 def register_resolvers() -> None:
+    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
     if not OmegaConf.has_resolver("looplib.vocab_size"):
         OmegaConf.register_new_resolver("looplib.vocab_size", tokenizer_size, use_cache=True)
 
