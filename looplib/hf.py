@@ -88,7 +88,9 @@ class HFModel(nn.Module):
         else:
             return set()  # the constructor says what is missing
         own = set(inspect.signature(cls.__init__).parameters)
-        return config_keys(config_class, {k: v for k, v in options.items() if k not in own and not k.startswith("_")})
+        overrides = {k: v for k, v in options.items() if k not in own and not k.startswith("_")}
+        check_keys(config_class, overrides, cls)  # a typo: this module's line, with its hint
+        return config_keys(config_class, overrides)
 
     # ------------------------------------------------------------------ data agreement
     def check_data(self, corpus) -> None:
@@ -292,7 +294,8 @@ def check_keys(config_class, overrides: dict, wrapper: type) -> None:
     own = [p for p in inspect.signature(wrapper.__init__).parameters if p not in ("self", "config")]
     for key in overrides:
         if key not in known:
-            close = difflib.get_close_matches(key, own + sorted(known), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, own + sorted(k for k in known if not k.startswith("_")),
+                                              n=1, cutoff=0.6)
             hint = f"did you mean model.{close[0]}?" if close else \
                 f"use a key of {config_class.__name__} or one of {', '.join(own)}"
             if key in ("pretrained_model_name_or_path", "model_name_or_path", "name_or_path", "model_path"):
