@@ -69,7 +69,9 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
     precision.setup(engine.device)
     objective = objective or TokenCrossEntropy()
     evaluation = evaluation or Evaluation()
-    model = (compile or Compile()).wrap(engine.setup((peft or FullModel()).wrap(model)))
+    compile = compile or Compile()
+    model = compile.wrap(engine.setup(precision.convert((peft or FullModel()).wrap(model))))
+    objective = compile.wrap_loss(objective)
     optimizer = (optim or AdamW()).build(model)  # the command line's defaults (looplib.optim.LR, ...)
     scheduler = (schedule or Schedule()).build(optimizer, max_steps)
     train = build_loader(dataset, batch_size=batch_size, seed=seed, device=engine.device,

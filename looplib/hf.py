@@ -166,10 +166,25 @@ class CausalLM(HFModel):
                          max_shard_size, config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         # position_ids restarting at 0 without an attention_mask: packed examples (looplib.data.Packed)
+        if hidden_only:  # the decoder's last hidden states, before lm_head (loss=lm_chunked)
+            causal = self.hf.get_base_model() if hasattr(self.hf, "peft_config") else self.hf  # under LoRA: peft's
+            return causal.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     use_cache=False).last_hidden_state
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output projection, for losses that apply it themselves (``loss=lm_chunked``).
+        Models that change logits after it (Gemma's soft-capping, Cohere's logit scale) are refused."""
+        config = self.hf.config
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, key, None) not in (None, 1, 1.0):
+                raise ConfigError("loss", f"{config.model_type} changes its logits after lm_head ({key}), which a "
+                                  "chunked loss would skip", "use loss=lm with this model")
+        return self.hf.get_output_embeddings()
 
     generate = GPT.generate  # the same top-k sampling loop as the bundled model (it only calls self)
 

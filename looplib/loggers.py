@@ -375,8 +375,8 @@ def describe(cfg, run_dir: Path, resumed_from: int, logged: dict[str, int]) -> R
 def artefacts(run_dir: Path) -> dict[str, str]:
     """What the run left for people to use, by name, where it exists."""
     out = {}
-    for name, rel in (("model", "model.safetensors"), ("adapter", "adapter"), ("config", "config.yaml"),
-                      ("metrics", "metrics.jsonl")):
+    for name, rel in (("model", "model.safetensors"), ("adapter", "adapter"), ("hf", "hf"),
+                      ("config", "config.yaml"), ("metrics", "metrics.jsonl")):
         if (run_dir / rel).exists():
             out[name] = str(run_dir / rel)
     from .state import step_dirs

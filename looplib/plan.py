@@ -121,6 +121,21 @@ def _adam8bit(factory: lo.Adam8bit, model):
     return total + (BNB_QMAP if any_8bit else 0)
 
 
+@state_rule.register
+def _adam8bit_ao(factory: lo.TorchaoAdam8bit, model):
+    """torchao: uint8 codes + one scale (parameter dtype) per block for tensors of >= 4096 whole
+    blocks' elements, plus a 256-entry map per moment; others: two moments in the parameter's dtype."""
+    total = 0
+    for p in unique_params(model, trainable=True):
+        n = p.numel()
+        total += torch.tensor(0.0).element_size()  # the per-parameter `step` tensor
+        if n >= 4096 and n % factory.block_size == 0:
+            total += 2 * (n + p.element_size() * (n // factory.block_size) + 256 * 4)
+        else:
+            total += 2 * nbytes(p)
+    return total
+
+
 def optimizer_state_bytes_of(factory, model: nn.Module) -> int:
     """Bytes of the state ``factory``'s optimizer holds after its first step on ``model``."""
     rule = state_rule(factory, model)

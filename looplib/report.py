@@ -34,9 +34,12 @@ METRICS = [  # column, header, how to format it
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("tokens_per_s_min", "tokens/s min", "{:,.0f}"),
     ("tokens_per_s_max", "tokens/s max", "{:,.0f}"),
+    ("sequences_per_s", "sequences/s", "{:,.1f}"),  # classification runs count sequences, not tokens
+    ("sequences_per_s_min", "sequences/s min", "{:,.1f}"),
+    ("sequences_per_s_max", "sequences/s max", "{:,.1f}"),
     ("samples_per_s", "samples/s", "{:,.2f}"),
     ("peak_mem_mb", "peak memory MB", "{:,.0f}"),
-    ("mem_rise_mb", "rise in job MB", "{:,.0f}"),
+    ("mem_rise_mb", "rise in job MB", "{:,.1f}"),
     ("skipped_steps", "skipped steps", "{:d}"),
 ]
 
@@ -86,9 +89,9 @@ def summarise(rows: list[dict]) -> dict:
         "final_loss": train[-1]["loss"] if train else None,
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_accuracy": accuracy[-1]["eval_accuracy"] if accuracy else None,
-        "tokens_per_s": median("tokens_per_s"),
-        "tokens_per_s_min": min(values("tokens_per_s"), default=None),
-        "tokens_per_s_max": max(values("tokens_per_s"), default=None),
+        **{f"{unit}_per_s{end}": f(f"{unit}_per_s") for unit in ("tokens", "sequences")
+           for end, f in (("", median), ("_min", lambda k: min(values(k), default=None)),
+                          ("_max", lambda k: max(values(k), default=None)))},
         "samples_per_s": median("samples_per_s"),
         "peak_mem_mb": peak,
         "mem_rise_mb": peak - start if peak is not None and start is not None else None,
@@ -163,7 +166,8 @@ def markdown(jobs: list[Job], sweep: Path) -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
-    lines += ["", "tokens/s: the median over each job's logged intervals after the first (warm-up); "
+    unit = "tokens" if any(job.metrics.get("tokens_per_s") is not None for job in jobs) else "sequences"
+    lines += ["", f"{unit}/s: the median over each job's logged intervals after the first (warm-up); "
               "min and max: the lowest and highest of the same intervals."]
     measures: dict[str, list[str]] = {}
     for job in jobs:
@@ -204,8 +208,11 @@ def chart(jobs: list[Job], path: Path) -> dict:
 
     varying, _ = split_overrides(jobs)
     labels = [label(job, varying) for job in jobs]
+    if len(set(labels)) < len(labels):  # the same overrides twice (a repeat): the job's folder tells them apart
+        labels = [f"{job.name}: {text}" for job, text in zip(jobs, labels)]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
-    panels = [("tokens_per_s", "tokens/s: median, min-max (higher is better)"),
+    unit = "tokens" if any(job.metrics.get("tokens_per_s") is not None for job in jobs) else "sequences"
+    panels = [(f"{unit}_per_s", f"{unit}/s: median, min-max (higher is better)"),
               ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"),
               ("final_loss", "final loss: training o, held-out x")]
     if any(job.metrics.get("eval_accuracy") is not None for job in jobs):
@@ -224,9 +231,9 @@ def chart(jobs: list[Job], path: Path) -> dict:
             ax.annotate(plain(value), (i, value), textcoords="offset points", xytext=(8, 0),
                         va="center", fontsize=8)
         spread = list(points)
-        if key == "tokens_per_s":  # the range over the job's logged intervals
+        if key == f"{unit}_per_s":  # the range over the job's logged intervals
             for i, job in enumerate(jobs):
-                lo, hi = job.metrics.get("tokens_per_s_min"), job.metrics.get("tokens_per_s_max")
+                lo, hi = job.metrics.get(f"{key}_min"), job.metrics.get(f"{key}_max")
                 if lo is not None and hi is not None:
                     ax.vlines(i, lo, hi, color=colors[i], linewidth=2, alpha=0.6)
                     spread += [(i, lo), (i, hi)]

@@ -110,7 +110,7 @@ def peak_flops(device: torch.device, precision: str, given_tflops: float | None 
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    column = {"bf16": 0, "fp16": 0, "tf32": 1}.get(precision, 2)
+    column = {"bf16": 0, "fp16": 0, "fp8": 0, "tf32": 1}.get(precision, 2)  # fp8: MFU against the bf16 peak
     for fragment, peaks in PEAK_TFLOPS.items():
         if fragment in name:
             return peaks[column] * 1e12

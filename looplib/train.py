@@ -67,14 +67,20 @@ def build_job(cfg: DictConfig) -> Job:
     job.logger = trackers
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
+    engine.check_evaluation(job.evaluation)
     job.corpus = instantiate(cfg, "data")
+    job.compile.check(job.corpus)  # CUDA graphs: fixed shapes only
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
     model = instantiate(cfg, "model")
     getattr(model, "check_data", lambda corpus: None)(job.corpus)  # vocabulary, labels (looplib.hf)
-    model = checkpointing.apply(job.peft.wrap(model))
-    job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
+    model = checkpointing.apply(precision.convert(job.peft.wrap(model)))  # fp8: Float8Linear
+    job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
+        # probed eager, before compiling: probing a compiled model with several batch sizes would
+        # leave it a dynamic-shape graph (slower kernels) for the size finally chosen
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
+    job.model = job.compile.wrap(job.model)  # compile last: it sees the final module
+    job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     return job
 
 
@@ -143,6 +149,8 @@ def run(job: Job, run_dir: Path) -> TrainState:
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
+            if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
+                telemetry.write({"step": state.step, **job.compile.report()})
             # model.safetensors, or hf/ for a transformers model (every rank: ZeRO-3 gathers), or the adapter
             job.peft.save(job.model, run_dir, engine, job.corpus)
             telemetry.finish("finished", loggers.artefacts(run_dir))

@@ -231,7 +231,7 @@ def fp16_overflow_on_one_rank(rank: int) -> dict:
     if rank == 1:
         next(iter(model.parameters())).grad.to_local().fill_(float("inf"))
     p.precision.unscale(p.optimizer)
-    norm = clip_grad_norm(p.model, CLIP)
+    norm = clip_grad_norm(list(p.model.parameters()), CLIP)
     p.precision.step(p.optimizer, norm)
     return {"scaler": type(p.precision.scaler).__name__, "scale": p.precision.scaler.get_scale(),
             "param_dtype": str(engine.mp_policy.param_dtype), "norm": float(norm),

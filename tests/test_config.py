@@ -15,6 +15,7 @@ CONF = REPO / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "__pycache__")
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 IN_DEFAULTS = {"model", "data", "loss"}
+NEEDS_CUDA = {("precision", "fp8"), ("loss", "lm_liger")}
 
 
 def compose_with(*overrides):
@@ -26,6 +27,8 @@ def compose_with(*overrides):
 def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, request):
     if option == "adam8bit" and not has_bitsandbytes():
         pytest.skip("bitsandbytes is not installed")
+    if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
+        pytest.skip("a GPU option: its refusal on the CPU is tested in test_speed.py")
     monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path))
     prefix = "" if group in IN_DEFAULTS else "+"
     data = [] if group == "data" else ["data=random"]

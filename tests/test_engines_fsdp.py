@@ -19,6 +19,7 @@ from looplib.engines.fsdp import FSDP as FSDPEngine
 from looplib.engines.fsdp import moved_position
 from looplib.engines.launch import free_port
 from looplib.errors import ConfigError
+from looplib.evaluation import Evaluation, HalfWeights
 from looplib.optim import SGD, Adafactor, Adam8bit
 from looplib.precision import FP32
 from looplib.state import is_valid
@@ -150,6 +151,9 @@ def test_another_world_keeps_the_global_batch_and_the_global_sample(tmp_path):
 def test_bad_engine_keys_are_refused():
     with pytest.raises(ConfigError, match="^engine.offload: engine.offload=cpu moves shards .* already the CPU"):
         FSDPEngine("cpu", offload="cpu").check(W.settings(2), FP32(), None)
+    with pytest.raises(ConfigError, match="^evaluation: \\+evaluation=bf16/fp16 casts each parameter's .data"):
+        FSDPEngine("cpu").check_evaluation(HalfWeights("bfloat16"))
+    FSDPEngine("cpu").check_evaluation(Evaluation())
     with pytest.raises(ConfigError, match="^engine.blocks: neither engine.blocks nor engine.block_names"):
         FSDPEngine("cpu", blocks=[])
     with pytest.raises(ConfigError, match="^engine.block_names: .* is not a regular expression"):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..schema import Positive
 from . import launch
 from .local import Engine, Prepared, resolve_device, write_safetensors
 
@@ -81,7 +82,7 @@ class FSDP(Engine):
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,
                  offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",
-                 timeout_s: int = 1800):
+                 timeout_s: Positive[float] = 1800):
         from ..checkpointing import ActivationCheckpointing
         self.device = launch.process_device(resolve_device(str(device)))
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s
@@ -117,6 +118,14 @@ class FSDP(Engine):
         for prefix, (why, fix) in REFUSED_OPTIMIZERS.items():
             if cls == prefix or cls.startswith(prefix + "."):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
+
+    def check_evaluation(self, evaluation) -> None:
+        from ..evaluation import HalfWeights
+        if isinstance(evaluation, HalfWeights):
+            raise ConfigError("evaluation", "+evaluation=bf16/fp16 casts each parameter's .data, but FSDP gathers "
+                              "blocks from its own flat shard buffers (the cast is not seen, and under inference "
+                              "mode the gather fails)", "leave +evaluation out: with +precision=bf16 FSDP already "
+                              "evaluates with bf16 parameters")
 
     def policy(self, precision):
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -52,6 +52,9 @@ class Engine:
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
 
+    def check_evaluation(self, evaluation) -> None:
+        """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
+
     def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
         """Hand the built optimizer and precision to the engine; the loop uses what comes back."""
         return Prepared(model, optimizer, precision, settings.max_grad_norm)
