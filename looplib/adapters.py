@@ -4,7 +4,10 @@ Only the adapter weights require gradients, so the optimizer (built from trainab
 parameters only, ``looplib.optim.param_groups``) holds state for them alone, and the run
 saves them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
 own format) instead of ``model.safetensors``. ``load_lora(fresh_model, run_dir / "adapter")``
-loads them back. peft is imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
+loads them back. A transformers model (``looplib.hf``: ``+peft=lora_hf``) is adapted inside its
+wrapper, so the adapter's keys are peft's own, and the run writes ``hf/`` instead: the adapter
+``peft.AutoPeftModelFor...`` loads, or with ``merge: true`` the merged full weights.
+peft is imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
 """
 from __future__ import annotations
 

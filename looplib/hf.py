@@ -74,6 +74,24 @@ class HFModel(nn.Module):
     def config(self):
         return self.hf.config
 
+    @classmethod
+    def extra_keys(cls, options: dict) -> set[str]:
+        """The keys ``**config`` takes (looplib.schema asks before anything is built): those of
+        the transformers config class of ``path``'s config.json, or of ``model_type``."""
+        transformers = import_transformers()
+        path, model_type = options.get("path"), options.get("model_type")
+        if path:
+            check_model_dir(str(path))
+            config_class = type(load_config(transformers, str(path), None, {}, cls))
+        elif model_type:
+            config_class = config_class_for(transformers, str(model_type))
+        else:
+            return set()  # the constructor says what is missing
+        own = set(inspect.signature(cls.__init__).parameters)
+        overrides = {k: v for k, v in options.items() if k not in own and not k.startswith("_")}
+        check_keys(config_class, overrides, cls)  # a typo: this module's line, with its hint
+        return config_keys(config_class, overrides)
+
     # ------------------------------------------------------------------ data agreement
     def check_data(self, corpus) -> None:
         """The corpus's vocabulary must fit the embeddings (a token id past them is an index error
@@ -261,8 +279,10 @@ def config_class_for(transformers, model_type: str):
                           f"{hint}use a transformers model type, e.g. llama, gpt2, mistral") from None
 
 
-def config_keys(config_class) -> set[str]:
-    """The keys a transformers config class takes: its constructor's, its base class's, its defaults'."""
+def config_keys(config_class, overrides: dict | None = None) -> set[str]:
+    """The keys a transformers config class takes: its constructor's, its base class's, its
+    defaults', and of ``overrides`` those transformers consumes (``rope_theta`` goes into
+    ``rope_parameters``); a key it would only keep as a stray attribute (a typo) is not one."""
     from transformers import PretrainedConfig
     keys = set()
     for cls in (config_class, PretrainedConfig):
@@ -272,17 +292,25 @@ def config_keys(config_class) -> set[str]:
     except Exception:  # noqa: BLE001 - a config that cannot be built bare: the signatures suffice
         pass
     keys |= set(getattr(config_class, "attribute_map", {}))
+    rest = {k: v for k, v in (overrides or {}).items() if k not in keys}
+    if rest:
+        try:
+            built = config_class(**rest)
+        except Exception:  # noqa: BLE001 - a bad value: building the model says which
+            return keys
+        keys |= {k for k in rest if k not in vars(built)}
     return keys
 
 
 def check_keys(config_class, overrides: dict, wrapper: type) -> None:
     """A key neither the wrapper nor the transformers config knows is a typo, not a setting to
     drop silently (``+model.pretrained_model_name_or_path=DIR`` once trained a random model)."""
-    known = config_keys(config_class)
+    known = config_keys(config_class, overrides)
     own = [p for p in inspect.signature(wrapper.__init__).parameters if p not in ("self", "config")]
     for key in overrides:
         if key not in known:
-            close = difflib.get_close_matches(key, own + sorted(known), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, own + sorted(k for k in known if not k.startswith("_")),
+                                              n=1, cutoff=0.6)
             hint = f"did you mean model.{close[0]}?" if close else \
                 f"use a key of {config_class.__name__} or one of {', '.join(own)}"
             if key in ("pretrained_model_name_or_path", "model_name_or_path", "name_or_path", "model_path"):

@@ -211,3 +211,33 @@ def test_the_planner_plans_a_pretrained_directory_without_loading_it(tiny_pretra
     out = capsys.readouterr().out
     n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained).parameters())
     assert f"CausalLM ({n:,} trainable parameters)" in out and "with checkpointing (2 modules)" in out
+
+
+def test_zero3_lora_export_gathers_the_shards(tiny_pretrained, tmp_path):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'looplib[deepspeed]')")
+    run_dir = tmp_path / "run"
+    r = run_cli("model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
+                f"data.vocab_size={VOCAB}", "+peft=lora_hf", "+engine=deepspeed", "engine.stage=3", "max_steps=2",
+                "batch_size=4", "lr=1e-2", "log_every=1", "eval_batches=1", "sample_tokens=0",
+                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+    adapter = load_file(run_dir / "hf" / "adapter_model.safetensors")
+    assert adapter and all(t.numel() > 0 for t in adapter.values())          # whole, not rank-0 partitions
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained (B starts at zero)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(run_dir / "hf")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained)
+    ids = ids_batch()
+    assert not torch.allclose(logits_of(loaded, ids), logits_of(base, ids), atol=1e-4)
+
+
+def test_large_exports_are_sharded_and_a_sharded_directory_loads(tiny_pretrained, tmp_path):
+    from looplib import FullModel
+    from looplib.hf import CausalLM
+    model = CausalLM(seq_len=SEQ, path=str(tiny_pretrained), max_shard_size="100KB")
+    FullModel().save(model, tmp_path, corpus=corpus_like(tiny_pretrained))
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    again = CausalLM(seq_len=SEQ, path=str(tmp_path / "hf"))   # fine-tuning starts from the shards
+    ids = ids_batch()
+    torch.testing.assert_close(logits_of(again, ids), logits_of(model, ids), rtol=0, atol=0)
