@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sysconfig
 import tempfile
 import time
@@ -17,6 +18,8 @@ from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .errors import ConfigError
 
 log = logging.getLogger("looplib")
 
@@ -60,6 +63,8 @@ class Epochs:
     def __init__(self, loader: DataLoader, epoch: int = 0, batches_seen: int = 0):
         self.loader, self.epoch, self.batches_seen = loader, epoch, batches_seen
         self.wait_s = 0.0  # host time spent waiting for the loader (telemetry's data_wait_share)
+        if sized(loader) and len(loader) == 0:  # known before any batch is drawn
+            raise empty_epoch(loader)
 
     def __iter__(self):
         sampler = getattr(self.loader, "sampler", None)
@@ -68,7 +73,10 @@ class Epochs:
                 sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
                 if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
                     self.loader.generator.manual_seed(sampler.seed * 100_003 + self.epoch)
+            whole = self.batches_seen == 0  # (a resumed epoch may have nothing left: that is fine)
             yield self._count(self.loader)
+            if whole and self.batches_seen == 0:  # an endless stream of empty epochs would spin forever
+                raise empty_epoch(self.loader)
             self.epoch, self.batches_seen = self.epoch + 1, 0
 
     def _count(self, loader):
@@ -84,6 +92,28 @@ class Epochs:
             self.batches_seen += 1
             yield batch
             t0 = time.perf_counter()
+
+
+def sized(loader) -> bool:
+    try:
+        len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return False
+    return True
+
+
+def empty_epoch(loader) -> ConfigError:
+    """The one-line error for training data that yields no batch (so no loop spins on it)."""
+    dataset, batch = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    world = getattr(sampler, "world", 1)
+    n = len(dataset) if dataset is not None and sized(dataset) else "no"
+    shape = f"{n} training sequences" + (f" over {world} ranks" if world > 1 else "")
+    shape += f" for batch_size={batch}" if batch else ""
+    shape += " with drop_last" if getattr(loader, "drop_last", False) else ""
+    return ConfigError("data", f"the training data yields no batch ({shape})",
+                       "give it more data (e.g. data.n_train, a corpus longer than one sequence of "
+                       "model.seq_len tokens) or a smaller batch_size")
 
 
 def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,
@@ -168,19 +198,13 @@ class PythonSource(Corpus):
 
     def __init__(self, seq_len: int, vocab_size: int = 2048, max_bytes: int = 3_000_000,
                  eval_fraction: float = 0.05, root: str | None = None, cache_dir: str | None = None):
-        from tokenizers import Tokenizer
-
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)
         if not files:
             raise FileNotFoundError(f"no Python files under {root or 'the standard library'}")
         key = hashlib.sha256(repr((vocab_size, [(str(f), f.stat().st_size) for f in files])).encode())
         cache = Path(cache_dir or os.environ.get("LOOPLIB_CACHE", "~/.cache/looplib")).expanduser()
         cache = cache / f"pysource-{key.hexdigest()[:16]}"
-        if not (cache / "tokens.pt").exists():
-            build_token_cache(files, vocab_size, cache)
-        self.tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
-        saved = torch.load(cache / "tokens.pt", weights_only=True)
-        tokens, bounds = saved["tokens"], saved["file_ends"]
+        self.tokenizer, tokens, bounds = load_token_cache(cache, files, vocab_size)
         n_eval_files = max(1, int(len(bounds) * eval_fraction))
         split = int(bounds[-n_eval_files - 1])
         self.vocab_size = vocab_size
@@ -208,6 +232,37 @@ def python_files(root: Path, max_bytes: int) -> list[Path]:
     return files
 
 
+def load_token_cache(cache: Path, files: list[Path], vocab_size: int):
+    """The tokenizer, tokens and file ends cached at ``cache``, built on first use. A cache that
+    does not load (a crash mid-copy, a full disk, an edit) is removed and built again, with a
+    warning; one that cannot be rebuilt either is an error naming its path."""
+    from tokenizers import Tokenizer
+
+    def read():
+        tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
+        saved = torch.load(cache / "tokens.pt", weights_only=True)
+        tokens, bounds = saved["tokens"], saved["file_ends"]
+        if tokens.dim() != 1 or bounds.dim() != 1 or not len(bounds) or int(bounds[-1]) != len(tokens):
+            raise ValueError("tokens.pt does not hold the token stream it describes")
+        return tokenizer, tokens, bounds
+
+    if not (cache / "tokens.pt").exists():
+        build_token_cache(files, vocab_size, cache)
+    try:
+        return read()
+    except Exception as err:  # noqa: BLE001 - whatever a damaged file raises: rebuild it
+        log.warning("the token cache %s is unreadable (%s): removing and rebuilding it", cache,
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+    try:
+        shutil.rmtree(cache, ignore_errors=True)
+        build_token_cache(files, vocab_size, cache)
+        return read()
+    except Exception as err:  # noqa: BLE001
+        raise ConfigError("data", f"the token cache {cache} is unreadable and could not be rebuilt "
+                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                          f"delete it (rm -r {cache}) or point LOOPLIB_CACHE at a writable directory") from None
+
+
 def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
     """Train the tokenizer and tokenise every file once; written atomically (tmp + rename)."""
     from tokenizers import ByteLevelBPETokenizer
@@ -226,10 +281,13 @@ def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
     dtype = torch.int16 if vocab_size <= 32767 else torch.int32
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
-    tok.save(str(tmp / "tokenizer.json"))
-    torch.save({"tokens": torch.tensor(ids, dtype=dtype), "file_ends": torch.tensor(ends)}, tmp / "tokens.pt")
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        torch.save({"tokens": torch.tensor(ids, dtype=dtype), "file_ends": torch.tensor(ends)}, tmp / "tokens.pt")
+    except BaseException:  # a full disk, a signal: leave no half-written cache behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, cache)
     except OSError:  # another process finished first: keep theirs
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
