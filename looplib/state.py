@@ -148,13 +148,16 @@ class InvalidCheckpoint(Exception):
     """A directory that is not a complete, readable checkpoint; ``str(err)`` says why."""
 
 
-def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool = False) -> dict:
+def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool = False,
+                       config: dict | None = None) -> dict:
     """The one validation every checkpoint goes through before anything is loaded from it.
 
     Checks, in order of cost: a directory with a manifest of the right shape that lists every
     file a checkpoint needs (looplib's own, or those the engine wrote, named in meta.json); each
     file's size and sha256; config.yaml and meta.json parse; state.pt unpickles with
-    ``weights_only=True``; the weights' names, shapes and dtypes fit ``model``. Returns what was
+    ``weights_only=True``; the weights' names, shapes and dtypes fit ``model``. Given the current
+    ``config``, a change that would alter the run is refused (``ConfigError``, not skipped)
+    before the weights are compared, so that the message names the setting. Returns what was
     read (``config``, ``meta``, ``state``) so that loading does not read it twice; raises
     ``InvalidCheckpoint`` naming the first problem."""
     path = Path(path)
@@ -187,12 +190,13 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
         raise InvalidCheckpoint(f"the manifest does not list {', '.join(unlisted)}")
     try:
         from omegaconf import OmegaConf
-        config = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
-        if not isinstance(config, dict):
+        saved = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
+        if not isinstance(saved, dict):
             raise ValueError("not a mapping")
     except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's many errors
         raise InvalidCheckpoint(f"unreadable config.yaml ({str(err).splitlines()[0]})") from None
-    out = {"config": config, "meta": meta, "step": step, "state": None}
+    out = {"config": saved, "meta": meta, "step": step, "state": None,
+           "accepted": check_resume_config(saved, config) if config is not None else []}
     if own_format:  # the engine reads its own files (DeepSpeed checks its partitions itself)
         return out
     out["state"] = read_state(path / "state.pt")
@@ -260,19 +264,19 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_format: bool = False,
-                    found: dict | None = None) -> Path | None:
+                    found: dict | None = None, config: dict | None = None) -> Path | None:
     """The newest valid checkpoint at ``where``: a checkpoint, its parent, or a run directory.
     Invalid ones are skipped with a warning; a single checkpoint named directly that is
     invalid raises ``InvalidCheckpoint``. ``found``, if given, receives what was read from the
     one returned (so that loading it does not read it again)."""
     where = Path(where)
-    if (where / "manifest.json").exists() or where.name.startswith("step-") or not where.is_dir():
+    if (where / "manifest.json").exists() or where.name.startswith("step-") or where.is_file():
         candidates, single = [where], True
     else:
         candidates, single = step_dirs(where / "checkpoints" if (where / "checkpoints").is_dir() else where), False
     for path in candidates:
         try:
-            checked = inspect_checkpoint(path, model, own_format)
+            checked = inspect_checkpoint(path, model, own_format, config)
         except InvalidCheckpoint as err:
             if single:
                 raise
@@ -464,22 +468,26 @@ class Checkpoints:
     # ------------------------------------------------------------------ reading
     def find(self, where: Path, found: dict | None = None) -> Path | None:
         """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
-        return find_checkpoint(where, self.parts.get("model"), self.own_format, found)
+        return find_checkpoint(where, self.parts.get("model"), self.own_format, found, self.current_config())
+
+    def current_config(self) -> dict | None:
+        """This run's resolved config (None when unknown: nothing to compare)."""
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(OmegaConf.create(self.config_yaml)) if self.config_yaml.strip() else None
 
     def load(self, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
         """Restore everything from ``path`` into the bound parts and ``state``. Returns the
         config changes accepted as safe. ``checked``: what ``inspect_checkpoint`` read from it
         (validated again here otherwise); nothing is loaded before it has passed."""
-        from omegaconf import OmegaConf
         from safetensors.torch import load_model
 
         try:
-            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format)
+            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format,
+                                                    self.current_config())
         except InvalidCheckpoint as err:
             raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
                               "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
-        now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
-        accepted = check_resume_config(checked["config"], now_cfg)
+        accepted = checked["accepted"]
         p = self.parts
         if self.own_format:  # the engine's own format (DeepSpeed)
             blob = self.engine.load_checkpoint(path.parent, tag=path.name)

@@ -24,7 +24,7 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import FP32
 from looplib.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted, Signals
-from looplib.state import Checkpoints, TrainState, find_checkpoint, is_valid
+from looplib.state import Checkpoints, InvalidCheckpoint, TrainState, find_checkpoint, is_valid
 
 from conftest import REPO, run_cli
 
@@ -115,19 +115,24 @@ def test_a_signal_while_training_is_a_flag_and_a_second_ctrl_c_stops_at_once():
 # ---------------------------------------------------------------- 2. another run's results
 
 def test_a_run_directory_holding_a_run_is_refused_untouched(tmp_path):
-    run_dir = tmp_path / "run"
-    assert run_cli(*TINY, "max_steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV).returncode == 0
+    run_dir = tmp_path / "run"  # what an earlier run left: Hydra's files and looplib's
+    for name in (".hydra/config.yaml", "train.log", "metrics.jsonl", "model.safetensors",
+                 "checkpoints/step-00000002/manifest.json"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(f"the earlier run's {name}\n")
     before = files(run_dir)
-    assert {"metrics.jsonl", "model.safetensors", ".hydra/config.yaml", "train.log"} <= set(before)
-    r = run_cli(*TINY, "max_steps=3", "seed=5", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
-    assert r.returncode == 2, r.stderr
+    r = run_cli(*TINY, "max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr  # before the fix: trained into it, mixing two runs
     assert looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
     assert "already holds a run" in r.stderr and "resume=auto" in r.stderr
-    assert files(run_dir) == before  # Hydra's .hydra/ and log included: refused before Hydra wrote
-    # a file where the run directory should be: one line, not Hydra's traceback
-    r = run_cli(*TINY, f"hydra.run.dir={run_dir / 'model.safetensors' / 'sub'}", cwd=tmp_path, env=ENV)
-    assert r.returncode == 2 and "is a file, not a directory" in r.stderr and "Traceback" not in r.stderr
-    assert files(run_dir) == before
+    assert files(run_dir) == before  # .hydra/ and the log included: refused before Hydra wrote
+
+
+def test_an_unwritable_run_directory_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "taken").write_text("a file where the run directory should be")
+    r = run_cli(*TINY, f"hydra.run.dir={tmp_path / 'taken' / 'run'}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2 and looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
+    assert "is a file, not a directory" in r.stderr
 
 
 # ---------------------------------------------------------------- 4. malformed checkpoints
@@ -202,16 +207,15 @@ def test_a_malformed_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path,
 
 
 def test_resume_path_to_a_bad_checkpoint_is_one_line_and_leaves_no_run_directory(tmp_path):
-    run_dir = tmp_path / "run"
-    assert run_cli(*TINY, "max_steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV).returncode == 0
-    bad = run_dir / "checkpoints" / "step-00000002"
+    three_checkpoints(tmp_path / "old")
+    bad = tmp_path / "old" / "step-00000003"
     rewrite_manifest(bad, lambda m: {"files": {}})
-    for target in (bad, bad / "state.pt"):  # a malformed checkpoint; a file, not a checkpoint
-        r = run_cli(*TINY, "max_steps=3", f"resume={target}", f"hydra.run.dir={tmp_path / 'new'}", cwd=tmp_path,
-                    env=ENV)
-        assert r.returncode == 2, r.stderr
-        assert looplib_lines(r.stderr) == [r.stderr.strip()] and "not a valid checkpoint" in r.stderr
-        assert not (tmp_path / "new").exists()
+    r = run_cli(*TINY, "max_steps=3", f"resume={bad}", f"hydra.run.dir={tmp_path / 'new'}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert looplib_lines(r.stderr) == [r.stderr.strip()] and "not a valid checkpoint" in r.stderr
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(InvalidCheckpoint, match="not a directory"):  # resume=PATH naming a file
+        find_checkpoint(bad / "state.pt")
 
 
 # ---------------------------------------------------------------- 5. the environment
@@ -240,12 +244,8 @@ def test_ctrl_c_saves_exits_130_and_says_how_to_resume(tmp_path):
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == EXIT_INTERRUPTED, out
     assert "interrupted (Ctrl-C) at step" in out and "resume=auto" in out and "Traceback" not in out
-    [saved] = (run_dir / "checkpoints").iterdir()
-    assert is_valid(saved) is None
-    step = int(saved.name.split("-")[1])
-    r = run_cli(*TINY, f"max_steps={step + 1}", "checkpoint.every_steps=0", "resume=auto",
-                f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
-    assert r.returncode == 0 and f"resumed from {saved} at step {step}" in r.stdout, r.stderr
+    [saved] = (run_dir / "checkpoints").iterdir()  # resumes like a preempted run (test_resume_cli.py)
+    assert is_valid(saved) is None and not (run_dir / "model.safetensors").exists()
 
 
 def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_path):
