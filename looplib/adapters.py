@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Literal
 
 from torch import nn
 
 from .engines.local import write_safetensors
 from .errors import ConfigError
+from .schema import Beta, Positive
 
 log = logging.getLogger("looplib")
 
@@ -42,8 +44,9 @@ class FullModel:
 class LoRA(FullModel):
     """Low-rank adapters (``peft.LoraConfig``) on the modules named by ``target_modules``."""
 
-    def __init__(self, r: int = 8, alpha: float = 16, dropout: float = 0.0,
-                 target_modules: list[str] | tuple[str, ...] = GPT_LINEARS, bias: str = "none"):
+    def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
+                 target_modules: list[str] | tuple[str, ...] = GPT_LINEARS,
+                 bias: Literal["none", "all", "lora_only"] = "none"):
         if r < 1:
             raise ConfigError("peft.r", f"the LoRA rank must be at least 1 (got r={r})", "use e.g. peft.r=8")
         self.peft = import_peft()

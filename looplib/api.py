@@ -55,7 +55,7 @@ def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_siz
     objective = objective or TokenCrossEntropy()
     evaluation = evaluation or Evaluation()
     model = (compile or Compile()).wrap(engine.setup((peft or FullModel()).wrap(model)))
-    optimizer = (optim or AdamW(lr=1e-3)).build(model)
+    optimizer = (optim or AdamW()).build(model)  # the command line's defaults (looplib.optim.LR, ...)
     scheduler = (schedule or Schedule()).build(optimizer, max_steps)
     train = build_loader(dataset, batch_size=batch_size, seed=seed, device=engine.device,
                          rank=engine.rank, world=engine.world_size)

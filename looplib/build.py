@@ -5,9 +5,11 @@ Every check that can be made before training happens here, once, and fails with 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from contextlib import contextmanager
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import hydra
 from hydra.errors import InstantiationException
@@ -15,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
+from .optim import LR, WEIGHT_DECAY
+from .schema import NonNegative, Positive, Seed, check_options, default_of, parameters, refuse_unknown, show
 
 # Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
 # absent group means this option, read from the same YAML file `+group=option` would use.
@@ -22,94 +26,100 @@ STRATEGY_DEFAULTS = {"precision": "fp32", "optim": "adamw", "schedule": "constan
                      "engine": "local", "peft": "none", "compile": "none", "evaluation": "as_trained"}
 
 
-def positive(key, v):
-    return v > 0 or f"{key} must be at least 1"
+@dataclass
+class Loader:
+    """The ``loader`` keys: ``torch.utils.data.DataLoader`` settings (``looplib.data.build_loader``)."""
+    num_workers: NonNegative[int] = 0
+    pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned when training on CUDA
+    persistent_workers: bool = False
+    prefetch_factor: Positive[int] | None = None
+
+    def __post_init__(self):
+        for key, value, off in (("persistent_workers", self.persistent_workers, False),
+                                ("prefetch_factor", self.prefetch_factor, None)):
+            if value != off and self.num_workers == 0:  # torch refuses these without workers
+                raise ConfigError(f"loader.{key}", f"loader.{key}={show(value)} needs worker processes "
+                                  "(loader.num_workers=0)", f"set loader.num_workers=N (N >= 1), or leave loader.{key} out")
 
 
-def non_negative(key, v):
-    return v is None or v >= 0 or f"{key} must not be negative"
+@dataclass
+class Checkpoint:
+    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.state``)."""
+    enabled: bool = True
+    every_steps: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. checkpoint.every_steps=100 (0: only at the end)"})
+    keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})
 
 
 @dataclass
 class Settings:
-    """The job's top-level keys, typed. OmegaConf converts strings and names the key on error."""
+    """The job's top-level keys, typed (``looplib.schema``); ``fix`` is the advice on a bad value."""
     device: str = field(default="auto", metadata={"fix": "use device=auto, cpu or cuda[:N]"})
-    seed: int = field(default=1337, metadata={"fix": "use a whole number, e.g. seed=0"})
-    max_steps: int = field(default=300, metadata={"fix": "use a whole number of optimizer steps, e.g. max_steps=300",
-                                                   "rule": positive})
-    batch_size: Any = field(default=32, metadata={"fix": "use the micro-batch size per device, e.g. batch_size=16, "
-                                                          "or batch_size=auto with global_batch_size=N",
-                                                   "rule": lambda k, v: v == "auto" or positive_int(k, v)})
-    accum_steps: int = field(default=1, metadata={"fix": "use 1 for no accumulation, or k micro-batches per step",
-                                                  "rule": positive})
-    lr: float = field(default=2e-3, metadata={"fix": "use a positive learning rate, e.g. lr=3e-4",
-                                               "rule": lambda k, v: v > 0 or "lr must be positive"})
-    weight_decay: float = field(default=0.1, metadata={"fix": "use e.g. weight_decay=0.1 (0 for none)",
-                                                        "rule": non_negative})
-    max_grad_norm: Optional[float] = field(default=1.0, metadata={"fix": "use e.g. max_grad_norm=1.0 (0 or null: off)",
-                                                                   "rule": non_negative})
-    log_every: int = field(default=10, metadata={"fix": "use e.g. log_every=10", "rule": positive})
-    eval_every: int = field(default=100, metadata={"fix": "use e.g. eval_every=100 (0: only at the end)",
-                                                    "rule": non_negative})
-    eval_batches: int = field(default=8, metadata={"fix": "use e.g. eval_batches=8", "rule": non_negative})
-    sample_tokens: int = field(default=160, metadata={"fix": "use e.g. sample_tokens=100 (0: no sample)",
-                                                       "rule": non_negative})
-    max_bad_steps: int = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)",
-                                                      "rule": non_negative})
+    seed: Seed = field(default=1337, metadata={"fix": "use a whole number from 0 to 2**64-1, e.g. seed=0"})
+    max_steps: Positive[int] = field(default=300, metadata={"fix": "use a whole number of optimizer steps, e.g. max_steps=300"})
+    batch_size: Positive[int] | Literal["auto"] = field(default=32, metadata={
+        "fix": "use the micro-batch size per device, e.g. batch_size=16, or batch_size=auto with global_batch_size=N"})
+    accum_steps: Positive[int] = field(default=1, metadata={"fix": "use 1 for no accumulation, or k micro-batches per step"})
+    lr: Positive[float] = field(default=LR, metadata={"fix": "use a positive learning rate, e.g. lr=3e-4"})
+    weight_decay: NonNegative[float] = field(default=WEIGHT_DECAY, metadata={"fix": "use e.g. weight_decay=0.1 (0 for none)"})
+    max_grad_norm: NonNegative[float] | None = field(default=1.0, metadata={"fix": "use e.g. max_grad_norm=1.0 (0 or null: off)"})
+    log_every: Positive[int] = field(default=10, metadata={"fix": "use e.g. log_every=10"})
+    eval_every: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. eval_every=100 (0: only at the end)"})
+    eval_batches: NonNegative[int] = field(default=8, metadata={"fix": "use e.g. eval_batches=8"})
+    sample_tokens: NonNegative[int] = field(default=160, metadata={"fix": "use e.g. sample_tokens=100 (0: no sample)"})
+    max_bad_steps: NonNegative[int] = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)"})
     resume: Optional[str] = field(default=None, metadata={"fix": "use resume=auto, resume=PATH or resume=null"})
-    global_batch_size: Optional[int] = field(default=None, metadata={
-        "fix": "use the sequences per optimizer step over all devices, e.g. global_batch_size=64 (null: off)",
-        "rule": lambda k, v: v is None or v > 0 or f"{k} must be at least 1"})
-    peak_tflops: Optional[float] = field(default=None, metadata={
-        "fix": "use the device's peak for the training precision in TFLOP/s, e.g. peak_tflops=989 (null: auto)",
-        "rule": lambda k, v: v is None or v > 0 or f"{k} must be positive"})
-    progress: str = field(default="auto", metadata={
-        "fix": "use progress=auto, bar or lines",
-        "rule": lambda k, v: v in ("auto", "bar", "lines") or f"progress={v!r} is not a choice"})
+    global_batch_size: Positive[int] | None = field(default=None, metadata={
+        "fix": "use the sequences per optimizer step over all devices, e.g. global_batch_size=64 (null: off)"})
+    peak_tflops: Positive[float] | None = field(default=None, metadata={
+        "fix": "use the device's peak for the training precision in TFLOP/s, e.g. peak_tflops=989 (null: auto)"})
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    loader: Loader = field(default_factory=Loader)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
-def positive_int(key, v):
-    if isinstance(v, bool) or not isinstance(v, int):
-        return f"{key}={v!r} is neither a whole number nor auto"
-    return positive(key, v)
+def group_names(cfg: DictConfig) -> set[str]:
+    """Every config group: a folder of looplib's conf/ (hydra/ aside), or one a --config-dir adds."""
+    names = {p.name for p in resources.files("looplib.conf").iterdir()
+             if p.is_dir() and p.name not in ("hydra", "__pycache__")}
+    hydra_cfg = hydra_config()
+    if hydra_cfg is not None:
+        names |= {g for g in hydra_cfg.runtime.choices if not g.startswith("hydra")}
+    return names
 
 
-TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string",
-              "Optional[float]": "a number (or null)", "Optional[int]": "a whole number (or null)",
-              "Optional[str]": "a string (or null)"}
+def hydra_config():
+    from hydra.core.hydra_config import HydraConfig
+    return HydraConfig.get() if HydraConfig.initialized() else None
 
 
 def check_settings(cfg: DictConfig) -> Settings:
-    """Type-check and range-check the top-level keys."""
-    schema = OmegaConf.structured(Settings)
-    for f in fields(Settings):
-        value = cfg.get(f.name, f.default)
-        try:
-            OmegaConf.merge(schema, {f.name: value})
-        except OmegaConfBaseException:
-            kind = TYPE_WORDS.get(str(f.type), str(f.type))
-            raise ConfigError(f.name, f"{f.name}={value!r} is not {kind}", f.metadata["fix"]) from None
-    settings = OmegaConf.to_object(OmegaConf.merge(schema, {f.name: cfg.get(f.name, f.default) for f in fields(Settings)}))
-    for f in fields(Settings):
-        rule = f.metadata.get("rule")
-        verdict = rule(f.name, getattr(settings, f.name)) if rule else True
-        if verdict is not True:
-            raise ConfigError(f.name, f"{verdict} (got {f.name}={getattr(settings, f.name)!r})", f.metadata["fix"])
-    check_checkpoint(cfg)
+    """The top level: every key is a setting (``Settings``, ``loader.*``, ``checkpoint.*``) or a
+    config group, and every setting has its type and range."""
+    groups, names = group_names(cfg), [f.name for f in fields(Settings)]
+    top = {k: v for k, v in resolved(cfg, None).items() if k not in groups and k != "hydra"}
+    for key in top:
+        if key not in names:
+            refuse_unknown("", key, top[key], sorted(names + list(groups)), "")
+    check_options("", Settings, top)
+    hints = typing.get_type_hints(Settings)
+    values = {name: top.get(name, default_of(f)) for name, f in zip(names, fields(Settings))}
+    for name, value in values.items():
+        if is_dataclass(hints[name]) and isinstance(value, dict):  # a section: loader, checkpoint
+            values[name] = hints[name](**value)
+    settings = Settings(**values)
     check_global_batch(settings)
     return settings
 
 
-def check_checkpoint(cfg: DictConfig) -> None:
-    enabled = cfg.get("checkpoint", {}).get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise ConfigError("checkpoint.enabled", f"checkpoint.enabled={enabled!r} must be true or false",
-                          "e.g. checkpoint.enabled=false")
-    for key, least in (("every_steps", 0), ("keep", 1)):
-        value = cfg.get("checkpoint", {}).get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ConfigError(f"checkpoint.{key}", f"checkpoint.{key}={value!r} must be a whole number >= {least}",
-                              "e.g. checkpoint.every_steps=100 checkpoint.keep=2")
+def resolved(cfg: DictConfig, group: str | None) -> dict:
+    """A node as plain values, interpolations resolved (or the one-line error saying which does not)."""
+    node = cfg if group is None else cfg[group]
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as err:
+        key = group or (err.full_key if getattr(err, "full_key", None) else "config")
+        raise ConfigError(key, f"the {key} config does not resolve: {' '.join(str(err.msg).split())}",
+                          f"fix the interpolation in {key}") from None
 
 
 def check_global_batch(s: Settings) -> None:
@@ -129,19 +139,87 @@ def check_global_batch(s: Settings) -> None:
 
 
 def fill_strategy_defaults(cfg: DictConfig) -> None:
-    """Put the default option of every absent strategy group into ``cfg`` (so it is saved too)."""
+    """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
+    A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
     with open_dict(cfg):
         for group, option in STRATEGY_DEFAULTS.items():
-            if cfg.get(group) is None:
-                cfg[group] = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")
+            node = cfg.get(group)
+            if node is None or (isinstance(node, DictConfig) and "_target_" not in node):
+                default = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")
+                cfg[group] = default if node is None else OmegaConf.merge(default, node)
 
 
-def group_choice(group: str) -> str:
+def check_config(cfg: DictConfig) -> Settings:
+    """Everything a user can set, checked before anything is built: the top level, then every
+    group against the constructor of the class it selects. Returns the typed settings."""
+    settings = check_settings(cfg)
+    fill_strategy_defaults(cfg)
+    for group in sorted(group_names(cfg), key=lambda g: (g in ("data", "model"), g)):  # those may import a library
+        if isinstance(cfg.get(group), DictConfig) and "_target_" in cfg[group]:
+            check_group(cfg, group)
+    return settings
+
+
+def check_group(cfg: DictConfig, group: str) -> None:
+    """One group's keys against its ``_target_``'s signature. An argument the class takes that is
+    also a top-level setting (``lr``, ``weight_decay``, ``device``, ...) and that the group does
+    not set receives the top-level value, so a class chosen by ``_target_`` gets ``lr=...`` too."""
+    target_path = resolved(cfg, group).get("_target_")
+    target = locate(group, target_path)
+    found = parameters(target)
+    if found is not None:
+        shared = {f.name for f in fields(Settings)} & set(found[0]) - set(cfg[group])
+        with open_dict(cfg):
+            for name in sorted(shared):
+                cfg[group][name] = f"${{{name}}}"
+    check_options(f"{group}.", target, resolved(cfg, group), origin(group, target_path))
+
+
+def locate(group: str, target_path: Any) -> Any:
+    """The class (or function) a group's ``_target_`` names, or the error saying why it does not import."""
+    from hydra.utils import _locate
     try:
-        from hydra.core.hydra_config import HydraConfig
-        return str(HydraConfig.get().runtime.choices.get(group) or STRATEGY_DEFAULTS.get(group, group))
-    except ValueError:  # not running under Hydra
-        return STRATEGY_DEFAULTS.get(group, "?")
+        return _locate(str(target_path))
+    except Exception as err:  # ImportError, or Hydra's own wrapping of it
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__  # the ImportError itself, not Hydra's wrapping of it
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        raise ConfigError(f"{group}._target_", f"{group}._target_={target_path!r} ({origin(group, target_path)}) "
+                          f"does not import: {reason}",
+                          "fix the dotted path, or install the package that provides it") from None
+
+
+def origin(group: str, target: Any = None) -> str:
+    """Which choice put this class here: ``from optim=adamw``, or ``from optim._target_=my.Class``
+    when the command line named the class itself."""
+    hydra_cfg = hydra_config()
+    if hydra_cfg is None:  # composed without Hydra's runtime (tests, the planner): the class is all we know
+        return f"from {group}._target_={target}"
+    for override in hydra_cfg.overrides.task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == f"{group}._target_":
+            return f"from {group}._target_={value}"
+    choice = hydra_cfg.runtime.choices.get(group)
+    if choice is None and group in STRATEGY_DEFAULTS:
+        return f"from {group}={STRATEGY_DEFAULTS[group]}, the default"
+    return f"from {group}={choice}" if choice else f"from {group}._target_={target}"
+
+
+@contextmanager
+def blame(group: str, cfg: DictConfig | None = None):
+    """Turn a library's ``ValueError``/``TypeError`` raised while building ``group``'s object
+    into the one-line error naming the group (and the option that chose its class)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        node = cfg.get(group) if cfg is not None else None
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        chosen = f" ({target}, {origin(group, target)})" if target else ""
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(group, f"{group}{chosen} was refused: {reason}", f"check the {group} settings") from None
 
 
 def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
@@ -149,25 +227,17 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
     node = cfg.get(group)
     if node is None or "_target_" not in node:
         raise ConfigError(group, f"the {group} config has no _target_", f"add {group}._target_=package.Class")
-    try:
-        target = node._target_
-    except OmegaConfBaseException as err:
-        raise ConfigError(group, f"the {group} config does not resolve: {err.msg}",
-                          f"fix the interpolation in {group}") from None
+    target = resolved(cfg, group)["_target_"]
     try:
         return hydra.utils.instantiate(node, **runtime)
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ConfigError):
             raise cause from None
-        where = f"{group}._target_={target!r} (from {group}={group_choice(group)})"
         if isinstance(cause, ImportError) or "Error locating target" in str(err):
-            while cause is not None and cause.__cause__ is not None:
-                cause = cause.__cause__  # the ImportError itself, not Hydra's wrapping of it
-            reason = repr(cause) if cause is not None else str(err).splitlines()[0]
-            raise ConfigError(f"{group}._target_", f"{where} does not import: {reason}",
-                              "fix the dotted path, or install the package that provides it") from None
-        raise ConfigError(group, f"{where} could not be built: {cause or err}",
+            locate(group, target)  # raises the one-line error naming the import that failed
+        reason = " ".join(str(cause or err).split())
+        raise ConfigError(group, f"{group}._target_={target!r} ({origin(group, target)}) could not be built: {reason}",
                           f"check the keys of the {group} config against {target}'s arguments") from None
     except OmegaConfBaseException as err:
         raise ConfigError(group, f"the {group} config does not resolve: {err.msg}",

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .errors import ConfigError
+from .schema import Positive
 
 log = logging.getLogger("looplib")
 
@@ -44,7 +45,7 @@ class ActivationCheckpointing(Checkpointing):
     matches the regular expression ``names`` (e.g. ``blocks\\.\\d+``). A match inside an
     already chosen submodule is skipped (checkpointing the outer one covers it)."""
 
-    def __init__(self, types: Sequence[str] = (), names: str | None = None, every: int = 1):
+    def __init__(self, types: Sequence[str] = (), names: str | None = None, every: Positive[int] = 1):
         if not types and not names:
             raise ConfigError("checkpointing", "neither checkpointing.types nor checkpointing.names is set",
                               "name module classes (checkpointing.types=[Block]) or a name pattern")

@@ -7,11 +7,14 @@ forward pass (seconds to minutes); a change of shape, dtype or train/eval mode r
 """
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from torch import nn
 
 from .errors import ConfigError
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+MODES = get_args(Mode)
 
 
 class Compile:
@@ -31,7 +34,7 @@ class TorchCompile(Compile):
     ``max-autotune`` benchmarks kernels at compile time (slow to compile, fastest to run).
     """
 
-    def __init__(self, mode: str = "default", backend: str = "inductor", fullgraph: bool = False,
+    def __init__(self, mode: Mode = "default", backend: str = "inductor", fullgraph: bool = False,
                  dynamic: bool | None = None):
         if mode not in MODES:
             raise ConfigError("compile.mode", f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")

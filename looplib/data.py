@@ -14,7 +14,9 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Annotated, Iterator
+
+from .schema import NonNegative, Positive, Range, Seed
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -40,7 +42,7 @@ class EpochSampler(Sampler[int]):
 
     def order(self) -> list[int]:
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # any 64-bit seed, any epoch
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
@@ -72,7 +74,7 @@ class Epochs:
             if isinstance(sampler, EpochSampler):
                 sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
                 if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
-                    self.loader.generator.manual_seed(sampler.seed * 100_003 + self.epoch)
+                    self.loader.generator.manual_seed((sampler.seed * 100_003 + self.epoch) % 2**64)
             whole = self.batches_seen == 0  # (a resumed epoch may have nothing left: that is fine)
             yield self._count(self.loader)
             if whole and self.batches_seen == 0:  # an endless stream of empty epochs would spin forever
@@ -183,11 +185,11 @@ class Corpus:
 class RandomCorpus(Corpus):
     """Random tokens for both splits (tests, benchmarks, the BERT-sized classifier)."""
 
-    def __init__(self, seq_len: int, vocab_size: int, n_train: int = 512, n_eval: int = 64,
-                 num_classes: int = 0, seed: int = 0):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int], n_train: Positive[int] = 512,
+                 n_eval: NonNegative[int] = 64, num_classes: NonNegative[int] = 0, seed: Seed = 0):
         self.vocab_size = vocab_size
         self.train = RandomTokens(n_train, seq_len, vocab_size, seed, num_classes)
-        self.eval = RandomTokens(n_eval, seq_len, vocab_size, seed + 1, num_classes)
+        self.eval = RandomTokens(n_eval, seq_len, vocab_size, (seed + 1) % 2**64, num_classes)
 
     def encode(self, text):
         return [ord(c) % self.vocab_size for c in text]
@@ -196,11 +198,13 @@ class RandomCorpus(Corpus):
 class PythonSource(Corpus):
     """The standard library's ``*.py`` files, byte-level BPE, split by file into train/eval."""
 
-    def __init__(self, seq_len: int, vocab_size: int = 2048, max_bytes: int = 3_000_000,
-                 eval_fraction: float = 0.05, root: str | None = None, cache_dir: str | None = None):
+    def __init__(self, seq_len: Positive[int], vocab_size: Positive[int] = 2048, max_bytes: Positive[int] = 3_000_000,
+                 eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05, root: str | None = None, cache_dir: str | None = None):
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)
-        if not files:
-            raise FileNotFoundError(f"no Python files under {root or 'the standard library'}")
+        if len(files) < 2:  # one file at least for training, one held out
+            raise ConfigError("data.max_bytes", f"{len(files)} Python file(s) under {root or 'the standard library'} "
+                              f"within data.max_bytes={max_bytes}: too few to train on and hold one out",
+                              "raise data.max_bytes, or point data.root at more Python files")
         key = hashlib.sha256(repr((vocab_size, [(str(f), f.stat().st_size) for f in files])).encode())
         cache = Path(cache_dir or os.environ.get("LOOPLIB_CACHE", "~/.cache/looplib")).expanduser()
         cache = cache / f"pysource-{key.hexdigest()[:16]}"

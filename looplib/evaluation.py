@@ -7,6 +7,7 @@ signature of ``looplib.loop.evaluate``; ``fit(..., evaluator=...)`` takes one.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ class HalfWeights(Evaluation):
     on tensor-core GPUs, and an eval-only run needs half the weight memory.
     """
 
-    def __init__(self, dtype: str = "bfloat16"):
+    def __init__(self, dtype: Literal["bfloat16", "float16"] = "bfloat16"):
         if dtype not in HALF:
             raise ConfigError("evaluation.dtype", f"{dtype!r} is not a half-precision dtype",
                               "use bfloat16 or float16")

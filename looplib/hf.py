@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .schema import Positive
 from .models.gpt import GPT
 from .objectives import TokenCrossEntropy
 
@@ -24,7 +25,7 @@ class CausalLM(nn.Module):
     (non-reentrant); ``attn_implementation: sdpa`` uses PyTorch's fused attention kernels.
     """
 
-    def __init__(self, model_type: str, seq_len: int, gradient_checkpointing: bool = False,
+    def __init__(self, model_type: str, seq_len: Positive[int], gradient_checkpointing: bool = False,
                  attn_implementation: str = "sdpa", **config):
         super().__init__()
         transformers = import_transformers()
@@ -40,6 +41,20 @@ class CausalLM(nn.Module):
                 self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @classmethod
+    def extra_keys(cls, options: dict) -> set[str]:
+        """The keys ``**config`` takes: those of the model type's transformers config (looplib.schema
+        refuses any other, where transformers would keep a misspelt key as a silent attribute)."""
+        transformers = import_transformers()
+        try:
+            hf_config = transformers.AutoConfig.for_model(str(options.get("model_type")))
+        except ValueError as err:
+            raise ConfigError("model.model_type", " ".join(str(err).split()),
+                              "use a transformers model type, e.g. llama, gpt2, mistral") from None
+        import inspect
+        taken = set(inspect.signature(type(hf_config).__init__).parameters) - {"self", "kwargs"}
+        return taken | set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {}))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import math
 from importlib import resources
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
+from .schema import Beta, Fraction, NonNegative, Positive, Range
+
+# The optimizer defaults, one set for the command line (conf/config.yaml's lr and weight_decay,
+# conf/optim/*.yaml), the classes below and ``train_model``; tests/test_validation.py holds them
+# equal. lr and weight decay suit the small models looplib ships; betas (0.9, 0.95) are the
+# usual choice for transformer language models (torch's own default beta2 is 0.999).
+LR = 2e-3
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+EPS = 1e-8
 
 # Parameters owned by these modules never decay (by module type, not by parameter name).
 NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
@@ -52,7 +63,7 @@ def embedding_weights(model: nn.Module) -> list[nn.Parameter]:
 class OptimizerFactory:
     """Base class: subclasses implement ``create(groups)``; ``build(model)`` is what the loop uses."""
 
-    def __init__(self, lr: float, weight_decay: float = 0.0):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY):
         self.lr, self.weight_decay = lr, weight_decay
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -65,7 +76,9 @@ class OptimizerFactory:
 class AdamW(OptimizerFactory):
     """``torch.optim.AdamW``; ``impl`` picks fused, foreach or for-loop kernels (auto: fused on CUDA)."""
 
-    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, impl: str = "auto"):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 betas: tuple[Beta, Beta] = BETAS, eps: Positive[float] = EPS,
+                 impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"):
         super().__init__(lr, weight_decay)
         if impl not in ("auto", "fused", "foreach", "for-loop"):
             raise ConfigError("optim.impl", f"unknown implementation {impl!r}",
@@ -82,8 +95,12 @@ class AdamW(OptimizerFactory):
 class SGD(OptimizerFactory):
     """``torch.optim.SGD`` with momentum (4 bytes of state per parameter)."""
 
-    def __init__(self, lr, weight_decay=0.0, momentum=0.9, nesterov=False):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 momentum: Beta = 0.9, nesterov: bool = False):
         super().__init__(lr, weight_decay)
+        if nesterov and momentum == 0:
+            raise ConfigError("optim.nesterov", "Nesterov momentum needs a momentum (got momentum=0)",
+                              "set optim.momentum above 0, or optim.nesterov=false")
         self.momentum, self.nesterov = momentum, nesterov
 
     def create(self, groups):
@@ -93,7 +110,10 @@ class SGD(OptimizerFactory):
 class Adafactor(OptimizerFactory):
     """``torch.optim.Adafactor``: factored second moments, a little over 4 bytes/param for matrices."""
 
-    def __init__(self, lr, weight_decay=0.0, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 beta2_decay: Annotated[float, Range(le=0)] = -0.8,
+                 eps: tuple[NonNegative[float] | None, NonNegative[float]] = (None, 1e-3),
+                 d: Annotated[float, Range(ge=1)] = 1.0):
         super().__init__(lr, weight_decay)
         self.beta2_decay, self.eps, self.d = beta2_decay, tuple(eps), d
 
@@ -110,8 +130,9 @@ class Adam8bit(OptimizerFactory):
     authors advise for stability. bitsandbytes is imported here, only when chosen.
     """
 
-    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                 min_8bit_size: int = 4096, embeddings_32bit: bool = True):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 betas: tuple[Beta, Beta] = BETAS, eps: Positive[float] = EPS,
+                 min_8bit_size: NonNegative[int] = 4096, embeddings_32bit: bool = True):
         super().__init__(lr, weight_decay)
         self.betas, self.eps = tuple(betas), eps
         self.min_8bit_size, self.embeddings_32bit = min_8bit_size, embeddings_32bit
@@ -174,7 +195,7 @@ Constant = Schedule
 class WarmupCosine(Schedule):
     """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
 
-    def __init__(self, warmup_steps: int = 100, min_ratio: float = 0.1):
+    def __init__(self, warmup_steps: NonNegative[int] = 25, min_ratio: Fraction = 0.1):
         if warmup_steps < 0 or not 0.0 <= min_ratio <= 1.0:
             raise ConfigError("schedule", f"warmup_steps={warmup_steps}, min_ratio={min_ratio}",
                               "use warmup_steps >= 0 and 0 <= min_ratio <= 1")

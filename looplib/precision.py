@@ -7,10 +7,12 @@ then at the accumulation boundary ``unscale(optimizer)`` (before clipping) and
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Annotated
 
 import torch
 
 from .errors import ConfigError
+from .schema import Positive, Range
 
 
 class Precision:
@@ -102,8 +104,8 @@ class FP16(Autocast):
     name = "fp16"
     dtype = torch.float16
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+    def __init__(self, init_scale: Positive[float] = 2.0**16, growth_factor: Annotated[float, Range(gt=1)] = 2.0,
+                 backoff_factor: Annotated[float, Range(gt=0, lt=1)] = 0.5, growth_interval: Positive[int] = 2000):
         super().__init__(skip_nonfinite=False)  # the scaler itself skips non-finite steps
         self.scaler_args = dict(init_scale=init_scale, growth_factor=growth_factor,
                                 backoff_factor=backoff_factor, growth_interval=growth_interval)

@@ -18,15 +18,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import autobatch
+from . import autobatch, rundir
 from .accumulation import Accumulation
-from .build import Settings, check_settings, fill_strategy_defaults, instantiate
+from .build import Settings, blame, check_config, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
-from . import rundir
 from .signals import EXIT_INTERRUPTED, Interrupted, Signals
 from .state import EXIT_IO, EXIT_NUMERIC, Checkpoints, InvalidCheckpoint, NumericError, SaveError, TrainState
 from .plan import optimizer_state_bytes
@@ -55,8 +54,7 @@ class Job:
 
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
-    settings = check_settings(cfg)
-    fill_strategy_defaults(cfg)
+    settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
@@ -79,8 +77,9 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
-    train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size, **loader_args)
+    with blame("loader"):
+        train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
+                             rank=engine.rank, world=engine.world_size, **loader_args)
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
                             device=engine.device)
@@ -88,8 +87,10 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
     if s.eval_batches and not eval_batches:
         log.warning("the held-out split yields no batch (%d sequences for batch_size=%d): no evaluation",
                     len(job.corpus.eval), s.batch_size)
-    optimizer = job.optim.build(job.model)
-    scheduler = job.schedule.build(optimizer, s.max_steps)
+    with blame("optim", job.cfg):
+        optimizer = job.optim.build(job.model)
+    with blame("schedule", job.cfg):
+        scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
     ckpt = job.cfg.checkpoint
     root = run_dir / "checkpoints" if ckpt.get("enabled", True) else None  # checkpoint.enabled=false: none

@@ -77,7 +77,7 @@ def test_cli_auto_trains_like_the_same_sizes_typed_by_hand(tmp_path):
     (["batch_size=auto"], "global_batch_size: batch_size=auto needs a target global batch"),
     (["batch_size=auto", "global_batch_size=64", "accum_steps=2"], "accum_steps: batch_size=auto chooses accum_steps"),
     (["batch_size=8", "global_batch_size=30"], "global_batch_size: global_batch_size=30 but batch_size x accum_steps"),
-    (["batch_size=many"], "batch_size: batch_size='many' is neither a whole number nor auto"),
+    (["batch_size=many"], "batch_size: batch_size='many' is not a whole number > 0 or auto"),
     (["batch_size=auto", "global_batch_size=0"], "global_batch_size: global_batch_size must be at least 1"),
     (FAKE + ["+model.oom_above=0", "batch_size=auto", "global_batch_size=16"],
      "batch_size: batch_size=auto: not even a micro-batch of 1 fits on cpu"),

@@ -142,7 +142,7 @@ def test_bad_settings_are_refused():
 
 @pytest.mark.parametrize("args,message", [
     (["checkpointing.types=[Nope]"], "checkpointing: no submodule of GPT matches types=['Nope']"),
-    (["checkpointing.every=0"], "checkpointing.every: every must be at least 1"),
+    (["checkpointing.every=0"], "checkpointing.every: checkpointing.every must be at least 1"),
     (["checkpointing.names='a['", "checkpointing.types=[]"], "checkpointing.names: 'a[' is not a regular expression"),
 ])
 def test_cli_errors(args, message, tmp_path, token_cache):

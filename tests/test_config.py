@@ -80,7 +80,7 @@ def test_the_cli_key_set_is_frozen():
     ("lr", -1, "lr must be positive"),
     ("lr", "fast", "lr='fast' is not a number"),
     ("max_grad_norm", -2.0, "max_grad_norm must not be negative"),
-    ("progress", "loud", "progress='loud' is not a choice"),
+    ("progress", "loud", "progress='loud' is not one of auto, bar or lines"),
 ])
 def test_settings_errors_name_the_key(key, value, message):
     cfg = compose_with(f"{key}={value}")

@@ -76,11 +76,12 @@ def test_an_epoch_without_a_batch_is_an_error_not_an_endless_loop():
         next(epochs)
 
 
-def test_empty_training_data_through_the_cli_is_one_line_and_exit_2(tmp_path):
-    r = run_cli(*TINY, "max_steps=2", "data.n_train=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-                env=ENV, timeout=300)  # before the fix: an endless loop
+def test_a_corpus_shorter_than_one_sequence_is_one_line_and_exit_2(tmp_path):
+    r = run_cli(*[a for a in TINY if not a.startswith("data")], "data=pysource", "data.max_bytes=6000", "model.seq_len=4096", f"hydra.run.dir={tmp_path / 'run'}",
+                cwd=tmp_path, env={**ENV, "LOOPLIB_CACHE": str(tmp_path / "cache")}, timeout=300)
+    # a corpus shorter than one sequence; before the fix: an endless loop at full CPU
     assert r.returncode == 2, r.stderr
-    assert looplib_lines(r.stderr) == [r.stderr.strip()] and "data.n_train" in r.stderr
+    assert looplib_lines(r.stderr) == [r.stderr.strip()] and "yields no batch" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 

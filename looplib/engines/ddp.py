@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..schema import Positive
 from . import launch
 from .local import Engine, resolve_device
 
@@ -28,9 +29,9 @@ log = logging.getLogger("looplib")
 class DDP(Engine):
     """``torch.nn.parallel.DistributedDataParallel``; gloo on the CPU, NCCL on CUDA."""
 
-    def __init__(self, device: str | torch.device = "auto", bucket_cap_mb: float = 25.0,
+    def __init__(self, device: str | torch.device = "auto", bucket_cap_mb: Positive[float] = 25.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
-                 static_graph: bool = False, timeout_s: int = 1800):
+                 static_graph: bool = False, timeout_s: Positive[float] = 1800):
         self.device = launch.process_device(resolve_device(str(device)))  # cuda -> cuda:LOCAL_RANK
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s    # the process group comes in setup
         self.ddp_args = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,

@@ -31,21 +31,23 @@ import math
 import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import ConfigError
-from ..optim import OptimizerFactory
+from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory
 from ..precision import Precision
+from ..schema import Beta, NonNegative, Positive
 from . import launch
 from .local import Engine, Prepared, resolve_device, write_safetensors
 
 log = logging.getLogger("looplib")
 
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+Offload = Literal["none", "cpu", "nvme"]
+OFFLOAD_DEVICES = get_args(Offload)
 
 # Raw DeepSpeed keys that looplib derives: setting them in engine.config would make two
 # sources of truth, so they are refused with the looplib setting to use instead.
@@ -107,9 +109,9 @@ class DeepSpeed(Engine):
     runs on the CPU, ``+optim=cpu_adam``). config: extra raw DeepSpeed keys, merged last.
     """
 
-    def __init__(self, device: str | torch.device = "auto", stage: int = 2, offload_optimizer: str = "none",
-                 offload_params: str = "none", nvme_path: str | None = None, config: dict | None = None,
-                 timeout_s: int = 1800):
+    def __init__(self, device: str | torch.device = "auto", stage: Literal[0, 1, 2, 3] = 2, offload_optimizer: Offload = "none",
+                 offload_params: Offload = "none", nvme_path: str | None = None, config: dict | None = None,
+                 timeout_s: Positive[float] = 1800):
         self.device = launch.process_device(resolve_device(str(device)))
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s
         self.stage, self.offload_optimizer, self.offload_params = stage, offload_optimizer, offload_params
@@ -355,7 +357,8 @@ class CPUAdam(OptimizerFactory):
 
     CLASS = "deepspeed.ops.adam.DeepSpeedCPUAdam"  # what it builds, known without compiling the kernel
 
-    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, adamw_mode: bool = True):
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 betas: tuple[Beta, Beta] = BETAS, eps: Positive[float] = EPS, adamw_mode: bool = True):
         super().__init__(lr, weight_decay)
         self.betas, self.eps, self.adamw_mode = tuple(betas), eps, adamw_mode
 

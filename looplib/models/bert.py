@@ -11,15 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gpt import Block, init_weights
+from ..schema import Beta, Positive
+from .gpt import Block, check_heads, init_weights
 
 
 class BertClassifier(nn.Module):
     """``model(input_ids, attention_mask=None) -> logits`` of shape (batch, num_classes)."""
 
-    def __init__(self, vocab_size: int = 30522, seq_len: int = 512, n_layer: int = 24, n_head: int = 16,
-                 d_model: int = 1024, num_classes: int = 2, type_vocab_size: int = 2, dropout: float = 0.1):
+    def __init__(self, vocab_size: Positive[int] = 30522, seq_len: Positive[int] = 512, n_layer: Positive[int] = 24,
+                 n_head: Positive[int] = 16, d_model: Positive[int] = 1024, num_classes: Positive[int] = 2,
+                 type_vocab_size: Positive[int] = 2, dropout: Beta = 0.1):
         super().__init__()
+        check_heads(d_model, n_head)
         self.seq_len = seq_len
         self.config = dict(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
                            d_model=d_model, num_classes=num_classes)

@@ -5,6 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
+from ..schema import Beta, Positive
+
+
+def check_heads(d_model: int, n_head: int) -> None:
+    if d_model % n_head:
+        raise ConfigError("model.n_head", f"d_model={d_model} does not split into n_head={n_head} heads",
+                          "use an n_head that divides d_model, e.g. model.n_head=4")
+
 
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool):
@@ -40,9 +49,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``model(input_ids) -> logits``; sizes: tiny (default job) and gpt2_small in conf/model/."""
 
-    def __init__(self, vocab_size: int, seq_len: int, n_layer: int = 4, n_head: int = 4,
-                 d_model: int = 128, dropout: float = 0.0):
+    def __init__(self, vocab_size: Positive[int], seq_len: Positive[int], n_layer: Positive[int] = 4,
+                 n_head: Positive[int] = 4, d_model: Positive[int] = 128, dropout: Beta = 0.0):
         super().__init__()
+        check_heads(d_model, n_head)
         self.seq_len = seq_len
         self.config = dict(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer,
                            n_head=n_head, d_model=d_model)
