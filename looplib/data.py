@@ -250,8 +250,12 @@ def load_token_cache(cache: Path, files: list[Path], vocab_size: int):
             raise ValueError("tokens.pt does not hold the token stream it describes")
         return tokenizer, tokens, bounds
 
-    if not (cache / "tokens.pt").exists():
-        build_token_cache(files, vocab_size, cache)
+    try:
+        if not (cache / "tokens.pt").exists():
+            build_token_cache(files, vocab_size, cache)
+    except OSError as err:
+        raise ConfigError("data", f"cannot write the token cache {cache} ({err})",
+                          "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
     try:
         return read()
     except Exception as err:  # noqa: BLE001 - whatever a damaged file raises: rebuild it

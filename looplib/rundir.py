@@ -63,9 +63,9 @@ def check(path: Path, resume: str | None, key: str) -> None:
         return  # this directory's own run, continued
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
     if resume:
-        raise ConfigError(key, f"{path} already holds another run ({shown}); resuming {resume} into it "
+        raise ConfigError(key, f"{path} already holds files ({shown}); resuming {resume} into it "
                           "would mix two runs", f"give a new directory ({key}=...)")
-    raise ConfigError(key, f"{path} already holds a run ({shown}), which this run would overwrite",
+    raise ConfigError(key, f"{path} already holds files ({shown}) that this run would overwrite or mix with its own",
                       f"continue it with resume=auto, or give a new directory ({key}=...)")
 
 

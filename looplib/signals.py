@@ -7,6 +7,8 @@
                              boundary the run saves a checkpoint and stops
     a second Ctrl-C          stops at once (``Interrupted``); checkpoints are written beside
                              their place and renamed, so the last complete one stays intact
+                             (under torchrun, whose agent forwards each Ctrl-C to its workers,
+                             the agent stops them: it kills them after its grace period)
     after the last step      the final checkpoint and weights are written; the run ends as
                              finished (its work is done), without the sample
 
@@ -15,6 +17,7 @@ Exit statuses: 75 (EX_TEMPFAIL) after SIGTERM/SIGUSR1, so a scheduler may requeu
 """
 from __future__ import annotations
 
+import os
 import signal
 from contextlib import contextmanager
 
@@ -49,6 +52,9 @@ class Signals:
     def __init__(self):
         self.signum: int | None = None   # the first signal received (decides the exit status)
         self.ctrl_c = 0                  # Ctrl-C presses
+        # torchrun's agent forwards the terminal's Ctrl-C to its workers, which then get it twice:
+        # there the agent owns "stop at once" (it kills its workers after a grace period)
+        self.second_stops = "TORCHELASTIC_RUN_ID" not in os.environ
         self.defer = False
         self.training = False            # deferred() was entered: the run got as far as training
         self._previous: dict = {}
@@ -56,7 +62,7 @@ class Signals:
     def _handler(self, signum, frame):
         self.signum = self.signum or signum
         self.ctrl_c += signum == signal.SIGINT
-        if not self.defer or self.ctrl_c >= 2:  # nothing to save yet, or a second Ctrl-C
+        if not self.defer or (self.ctrl_c >= 2 and self.second_stops):  # nothing to save yet, or a second Ctrl-C
             raise Interrupted(signum)
 
     def __enter__(self) -> "Signals":

@@ -418,6 +418,20 @@ class Checkpoints:
             needs = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         else:
             tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{final.name}-"))
+            needs = list(LOCAL_FILES)
+        try:
+            self._fill(tmp, final, blob, position, needs)
+        except BaseException:  # a full disk, a second Ctrl-C: no half-written directory stays
+            if tmp != final or not (final / "manifest.json").exists():  # never a complete one
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.save_seconds.append(time.perf_counter() - t0)
+        log.info("checkpoint %s (%.1f MB, %.2f s)", final,
+                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
+
+    def _fill(self, tmp: Path, final: Path, blob: dict, position: dict, needs: list[str]) -> None:
+        if tmp != final:
+            p = self.parts
             from safetensors.torch import save_model
             save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
             with open(tmp / "model.safetensors", "rb+") as f:
@@ -427,7 +441,6 @@ class Checkpoints:
                 torch.save(blob, f)
                 f.flush()
                 os.fsync(f.fileno())
-            needs = list(LOCAL_FILES)
         write_file(tmp / "config.yaml", self.config_yaml.encode())
         meta = {**position, "config_hash": config_hash(self.config_yaml), "torch": torch.__version__,
                 "time": time.time(), "needs": needs}  # every file a resume reads: the manifest must list them
@@ -447,9 +460,6 @@ class Checkpoints:
                     os.rename(tmp, final)
         fsync_dir(self.root)
         self.rotate()
-        self.save_seconds.append(time.perf_counter() - t0)
-        log.info("checkpoint %s (%.1f MB, %.2f s)", final,
-                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
 
     def rotate(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; remove older ones, partial ones older

@@ -125,7 +125,7 @@ def test_a_run_directory_holding_a_run_is_refused_untouched(tmp_path):
     r = run_cli(*TINY, "max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
     assert r.returncode == 2, r.stderr  # before the fix: trained into it, mixing two runs
     assert looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
-    assert "already holds a run" in r.stderr and "resume=auto" in r.stderr
+    assert "already holds files (checkpoints, metrics.jsonl, model.safetensors)" in r.stderr and "resume=auto" in r.stderr
     assert files(run_dir) == before  # .hydra/ and the log included: refused before Hydra wrote
 
 
