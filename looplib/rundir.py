@@ -84,7 +84,18 @@ def as_rank0(config: DictConfig, key: str) -> Path | None:
 def refuse(err: ConfigError) -> None:
     if launch.launched_rank() == 0:
         print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+    write_exit_status(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
+
+
+def write_exit_status(status: int) -> None:
+    """``LOOPLIB_EXIT_FILE``: rank 0 writes its exit status there as its last act. Launchers
+    (torchrun) report 1 when a rank exits non-zero, so a job script reads looplib's status here."""
+    path = os.environ.get("LOOPLIB_EXIT_FILE")
+    if path and launch.launched_rank() == 0:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(f"{status}\n")
+        os.replace(tmp, path)
 
 
 class RunDirGuard(Callback):

@@ -148,7 +148,7 @@ class InvalidCheckpoint(Exception):
     """A directory that is not a complete, readable checkpoint; ``str(err)`` says why."""
 
 
-def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool = False,
+def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
                        config: dict | None = None) -> dict:
     """The one validation every checkpoint goes through before anything is loaded from it.
 
@@ -182,8 +182,12 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
     try:
         meta = json.loads((path / "meta.json").read_text()) if "meta.json" in files else {}
         step = int(meta["step"])
+        if not isinstance(meta.get("needs", []), list):
+            raise TypeError("needs is not a list")
     except (ValueError, KeyError, TypeError) as err:
         raise InvalidCheckpoint(f"unreadable meta.json ({type(err).__name__}: {err})") from None
+    if own_format is None:  # not told which engine reads it: what the checkpoint says it needs
+        own_format = "needs" in meta and "state.pt" not in meta["needs"]
     needs = set(ALWAYS) | set(meta.get("needs", ())) | (set() if own_format else set(LOCAL_FILES))
     unlisted = sorted(needs - set(files))
     if unlisted:
@@ -246,7 +250,7 @@ def check_weights(path: Path, model: torch.nn.Module) -> None:
                                                                           if len(absent) > 1 else ""))
 
 
-def is_valid(path: Path, model: torch.nn.Module | None = None, own_format: bool = False) -> str | None:
+def is_valid(path: Path, model: torch.nn.Module | None = None, own_format: bool | None = None) -> str | None:
     """None if ``path`` is a complete, readable checkpoint, else why not."""
     try:
         inspect_checkpoint(path, model, own_format)
@@ -263,7 +267,7 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name, reverse=True)
 
 
-def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_format: bool = False,
+def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
                     found: dict | None = None, config: dict | None = None) -> Path | None:
     """The newest valid checkpoint at ``where``: a checkpoint, its parent, or a run directory.
     Invalid ones are skipped with a warning; a single checkpoint named directly that is

@@ -253,17 +253,9 @@ def main(cfg: DictConfig) -> None:
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
     status = execute(cfg, run_dir, signals)
     signals.defer = True             # from here on a signal changes nothing
-    write_exit_status(status)
+    rundir.write_exit_status(status)
     if status:
         sys.exit(status)
-
-
-def write_exit_status(status: int) -> None:
-    """``LOOPLIB_EXIT_FILE``: rank 0 writes its exit status there. Launchers (torchrun) report 1
-    when a rank exits non-zero, so a job script reads looplib's status from the file."""
-    path = os.environ.get("LOOPLIB_EXIT_FILE")
-    if path and launched_rank() == 0:
-        write_atomic(Path(path), f"{status}\n")
 
 
 if __name__ == "__main__":
