@@ -173,14 +173,19 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
         raise InvalidCheckpoint(f"unreadable manifest ({type(err).__name__}: {err})") from None
     for name, size, digest in entries:
         f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise InvalidCheckpoint(f"the manifest names {name}, outside the checkpoint")
         if not f.is_file():
             raise InvalidCheckpoint(f"{name} is missing")
         if f.stat().st_size != size:
             raise InvalidCheckpoint(f"{name} has {f.stat().st_size} bytes, the manifest says {size}")
         if sha256(f) != digest:
             raise InvalidCheckpoint(f"{name} does not match its checksum")
+    unlisted = [name for name in ALWAYS if name not in files]
+    if unlisted:
+        raise InvalidCheckpoint(f"the manifest does not list {', '.join(unlisted)}")
     try:
-        meta = json.loads((path / "meta.json").read_text()) if "meta.json" in files else {}
+        meta = json.loads((path / "meta.json").read_text())
         step = int(meta["step"])
         if not isinstance(meta.get("needs", []), list):
             raise TypeError("needs is not a list")
