@@ -265,3 +265,19 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
     assert out.count("preempted (SIGTERM)") == 1  # said once, by rank 0, after it saved
     assert out.index("checkpoint " + str(saved)) < out.index("preempted (SIGTERM)")
     assert "exitcode  : -15" not in out and "exitcode: -15" not in out, out  # no rank killed by the signal
+
+
+def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    from looplib.state import SaveError
+    ckpt = three_checkpoints(tmp_path)
+    before = files(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SaveError, match="No space left on device"):
+        ckpt.save(TrainState(step=4))
+    assert files(tmp_path) == before  # no .tmp-* directory, the three checkpoints untouched
+    assert find_checkpoint(tmp_path) == tmp_path / "step-00000003"
