@@ -57,9 +57,12 @@ class Signals:
         self.second_stops = "TORCHELASTIC_RUN_ID" not in os.environ
         self.defer = False
         self.training = False            # deferred() was entered: the run got as far as training
+        self.finished = False            # set by finish(): later signals are ignored
         self._previous: dict = {}
 
     def _handler(self, signum, frame):
+        if self.finished:  # the run is over (cleaning up, exiting): nothing left to interrupt
+            return
         self.signum = self.signum or signum
         self.ctrl_c += signum == signal.SIGINT
         if not self.defer or (self.ctrl_c >= 2 and self.second_stops):  # nothing to save yet, or a second Ctrl-C
@@ -83,6 +86,11 @@ class Signals:
             yield self
         finally:
             self.defer = False
+
+    def finish(self) -> None:
+        """The run has ended (or is reporting how it ended): a signal now changes nothing, and
+        cannot kill the process on its way out."""
+        self.finished = True
 
     @property
     def requested(self) -> bool:

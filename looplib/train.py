@@ -170,13 +170,13 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
         if where != "auto":
             raise ConfigError("resume", f"no valid checkpoint at {where}",
                               "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
-        log.warning("resume=auto: no checkpoint in %s yet, starting at step 0 (to continue an earlier "
+        log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
-        return
-    accepted = checkpoints.load(path, state, found.get(path))
-    log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
-             state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
-    metrics = run_dir / "metrics.jsonl"
+    else:
+        accepted = checkpoints.load(path, state, found.get(path))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
+                 state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
+    metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
     if checkpoints.is_main and metrics.exists():  # rows past the checkpoint came from the run that died
         import json
         rows = []
@@ -216,9 +216,9 @@ def say(line: str) -> None:
 
 def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
     """Build and run the job; every way it can end becomes one line and an exit status."""
-    fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
-    job = None
+    fresh = False
     try:
+        fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
         job = build_job(cfg)
         shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
         if shared != run_dir:
@@ -226,16 +226,20 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
             run_dir, fresh = shared, fresh and not rundir.results(shared)
         state = run(job, run_dir, signals)
     except ConfigError as err:  # found before training: nothing of this run stays behind
+        signals.finish()
         say(f"looplib: error: {err}")
         rundir.forget(run_dir, fresh and not signals.training)
         return EXIT_CONFIG
     except NumericError as err:
+        signals.finish()
         say(f"looplib: stopped: {err}")
         return EXIT_NUMERIC
     except SaveError as err:
+        signals.finish()
         say(f"looplib: error: {err}; the last complete checkpoint stays (resume=auto continues from it)")
         return EXIT_IO
     except Interrupted as sig:
+        signals.finish()
         if signals.training:  # a second Ctrl-C while training
             say(f"looplib: stopped at once ({sig}); the last complete checkpoint stays. Continue with: "
                 f"python -m looplib.train ... resume=auto hydra.run.dir={run_dir}")
@@ -243,8 +247,10 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
             say(f"looplib: stopped ({sig}) before training started; nothing was saved")
             rundir.forget(run_dir, fresh)
         return sig.status
+    status = signals.status if state.preempted else 0
+    signals.finish()
     job.engine.close()  # a collective (DDP, DeepSpeed): only when every rank got here
-    return signals.status if state.preempted else 0
+    return status
 
 
 @hydra.main(version_base="1.3", config_path="pkg://looplib.conf", config_name="config")
@@ -252,7 +258,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
     status = execute(cfg, run_dir, signals)
-    signals.defer = True             # from here on a signal changes nothing
+    signals.finish()                 # from here on a signal changes nothing
     rundir.write_exit_status(status)
     if status:
         sys.exit(status)
