@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ SMALL_JOB = ["model=bert_tiny", "data=classification", "loss=classification", "d
 
 def run_row(name: str, overrides: list[str], job: list[str], steps: int, device: str, out: Path) -> dict:
     run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={steps}", f"device={device}",
             "log_every=1", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",
             "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ def cpu_has_bf16() -> bool:
 def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup: int, device: str,
             peak_tflops: float, out: Path) -> dict:
     run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={warmup + steps}",
             f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_batches=0",
             "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
