@@ -27,14 +27,18 @@ from omegaconf import DictConfig, OmegaConf
 from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
-HYDRA_OWN = (".hydra",)          # and *.log: what Hydra writes into a run directory before the job
+HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
 
 
 def results(path: Path) -> list[str]:
-    """What ``path`` holds besides Hydra's own files (sorted names; [] for a new directory)."""
+    """What ``path`` holds besides Hydra's own files (sorted names; [] for a new directory). A
+    subdirectory counts only if it holds something itself (a sweep's job directories hold
+    only Hydra's files until their jobs run; under torchrun rank 0's Hydra may have written
+    them before another rank looks)."""
     if not path.is_dir():
         return []
-    return sorted(p.name for p in path.iterdir() if p.name not in HYDRA_OWN and not p.name.endswith(".log"))
+    return sorted(p.name for p in path.iterdir() if p.name not in HYDRA_OWN and not p.name.endswith(".log")
+                  and not (p.is_dir() and not p.is_symlink() and not results(p)))
 
 
 def unwritable(path: Path) -> str | None:
