@@ -22,7 +22,6 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -33,11 +32,12 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Signals, held  # noqa: F401 (re-exported)
 
 log = logging.getLogger("looplib")
 
-EXIT_PREEMPTED = 75     # EX_TEMPFAIL: a scheduler may requeue the job; resume=auto continues it
 EXIT_NUMERIC = 3        # max_bad_steps consecutive non-finite steps: the run cannot go on
+EXIT_IO = 74            # EX_IOERR: a checkpoint could not be written (a full disk, ...)
 FORMAT = 1
 
 # Keys whose change does not alter the training trajectory: accepted on resume, and reported.
@@ -56,7 +56,7 @@ class TrainState:
     epoch: int = 0           # epoch the data stream is in
     batches_seen: int = 0    # micro-batches consumed in that epoch (the resume position)
     bad_streak: int = 0      # consecutive boundaries without an optimizer update
-    preempted: bool = False  # stopped early by SIGTERM/SIGUSR1, after saving
+    preempted: bool = False  # stopped early by a signal (SIGTERM, SIGUSR1, Ctrl-C), after saving
     extra: dict = field(default_factory=dict)
     # Skipped updates in this process, and the longest streak of them. Where a fused kernel
     # skipped on the device, these and bad_streak are device tensors, read when logging or saving.
@@ -80,31 +80,7 @@ class TrainState:
                                    else self.bad_streak.clamp(min=self.longest_streak))
 
 
-class Preemption:
-    """SIGTERM and SIGUSR1 set a flag (no I/O in the handler); the loop acts on it at the next
-    optimizer-step boundary."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def _handler(self, signum, frame):
-        self.signum = signum
-
-    def __enter__(self):
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
+Preemption = Signals  # the run's signal handler (looplib.signals): SIGTERM, SIGUSR1 and Ctrl-C
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -164,23 +140,131 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def is_valid(path: Path) -> str | None:
-    """None if ``path`` is a complete checkpoint, else why not."""
+LOCAL_FILES = ("model.safetensors", "state.pt")   # what a checkpoint in looplib's own format needs
+ALWAYS = ("config.yaml", "meta.json")
+
+
+class InvalidCheckpoint(Exception):
+    """A directory that is not a complete, readable checkpoint; ``str(err)`` says why."""
+
+
+def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
+                       config: dict | None = None, reshard=None) -> dict:
+    """The one validation every checkpoint goes through before anything is loaded from it.
+
+    Checks, in order of cost: a directory with a manifest of the right shape that lists every
+    file a checkpoint needs (looplib's own, or those the engine wrote, named in meta.json); each
+    file's size and sha256; config.yaml and meta.json parse; state.pt unpickles with
+    ``weights_only=True``; the weights' names, shapes and dtypes fit ``model``. Given the current
+    ``config``, a change that would alter the run is refused (``ConfigError``, not skipped)
+    before the weights are compared, so that the message names the setting; ``reshard`` (an
+    engine's ``resume_config``) may first accept a change the saved config alone cannot judge
+    (FSDP: another number of processes splitting the same global batch). Returns what was
+    read (``config``, ``meta``, ``state``) so that loading does not read it twice; raises
+    ``InvalidCheckpoint`` naming the first problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise InvalidCheckpoint("not a directory" if path.exists() else "does not exist")
     manifest = path / "manifest.json"
     if not manifest.is_file():
-        return "no manifest (an interrupted write)"
+        raise InvalidCheckpoint("no manifest (an interrupted write)")
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        return f"unreadable manifest ({err})"
-    for name, entry in files.items():
+        entries = [(str(name), int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InvalidCheckpoint(f"unreadable manifest ({type(err).__name__}: {err})") from None
+    for name, size, digest in entries:
         f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise InvalidCheckpoint(f"the manifest names {name}, outside the checkpoint")
         if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != entry["size"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-        if sha256(f) != entry["sha256"]:
-            return f"{name} does not match its checksum"
+            raise InvalidCheckpoint(f"{name} is missing")
+        if f.stat().st_size != size:
+            raise InvalidCheckpoint(f"{name} has {f.stat().st_size} bytes, the manifest says {size}")
+        if sha256(f) != digest:
+            raise InvalidCheckpoint(f"{name} does not match its checksum")
+    unlisted = [name for name in ALWAYS if name not in files]
+    if unlisted:
+        raise InvalidCheckpoint(f"the manifest does not list {', '.join(unlisted)}")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        step = int(meta["step"])
+        if not isinstance(meta.get("needs", []), list):
+            raise TypeError("needs is not a list")
+    except (ValueError, KeyError, TypeError) as err:
+        raise InvalidCheckpoint(f"unreadable meta.json ({type(err).__name__}: {err})") from None
+    if own_format is None:  # not told which engine reads it: what the checkpoint says it needs
+        own_format = "needs" in meta and "state.pt" not in meta["needs"]
+    needs = set(ALWAYS) | set(meta.get("needs", ())) | (set() if own_format else set(LOCAL_FILES))
+    unlisted = sorted(needs - set(files))
+    if unlisted:
+        raise InvalidCheckpoint(f"the manifest does not list {', '.join(unlisted)}")
+    try:
+        from omegaconf import OmegaConf
+        saved = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+    except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's many errors
+        raise InvalidCheckpoint(f"unreadable config.yaml ({str(err).splitlines()[0]})") from None
+    accepted = []
+    if config is not None:
+        accepted = (reshard(saved, config, path) if reshard else []) + check_resume_config(saved, config)
+    out = {"config": saved, "meta": meta, "step": step, "state": None, "accepted": accepted}
+    if own_format:  # the engine reads its own files (DeepSpeed checks its partitions itself)
+        return out
+    out["state"] = read_state(path / "state.pt")
+    if model is not None:
+        check_weights(path / "model.safetensors", unwrap(model))
+    return out
+
+
+def read_state(path: Path) -> dict:
+    """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise InvalidCheckpoint(f"state.pt holds objects other than tensors and plain containers and was "
+                                f"not unpickled ({str(err).splitlines()[0]})") from None
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file
+        raise InvalidCheckpoint(f"unreadable state.pt ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    missing = [k for k in ("position", "scheduler", "rng", "optimizer", "precision")
+               if not isinstance(blob, dict) or k not in blob]
+    if missing:
+        raise InvalidCheckpoint(f"state.pt lacks {', '.join(missing)}")
+    return blob
+
+
+def check_weights(path: Path, model: torch.nn.Module) -> None:
+    """Names, shapes and dtypes of the saved tensors against ``model``, read from the file's
+    header only (nothing is loaded, so a mismatch leaves the model untouched)."""
+    from safetensors import safe_open
+    from safetensors.torch import _TYPES
+    own = model.state_dict()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as err:  # noqa: BLE001
+        raise InvalidCheckpoint(f"unreadable model.safetensors ({str(err).splitlines()[0]})") from None
+    for key, (shape, dtype) in saved.items():
+        if key not in own:
+            raise InvalidCheckpoint(f"model.safetensors holds {key}, which this model does not have "
+                                    "(a checkpoint of another model)")
+        if shape != tuple(own[key].shape) or _TYPES.get(dtype, own[key].dtype) != own[key].dtype:
+            raise InvalidCheckpoint(f"model.safetensors holds {key} as {dtype}{list(shape)}, this model "
+                                    f"has {own[key].dtype}{list(own[key].shape)} (a checkpoint of another model)")
+    stored = {own[k].data_ptr() for k in saved}  # tied weights are stored once, under one name
+    absent = [k for k in own if k not in saved and own[k].data_ptr() not in stored]
+    if absent:
+        raise InvalidCheckpoint(f"model.safetensors lacks {absent[0]}" + (f" and {len(absent) - 1} more"
+                                                                          if len(absent) > 1 else ""))
+
+
+def is_valid(path: Path, model: torch.nn.Module | None = None, own_format: bool | None = None) -> str | None:
+    """None if ``path`` is a complete, readable checkpoint, else why not."""
+    try:
+        inspect_checkpoint(path, model, own_format)
+    except InvalidCheckpoint as err:
+        return str(err)
     return None
 
 
@@ -192,19 +276,28 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name, reverse=True)
 
 
-def find_checkpoint(where: Path) -> Path | None:
+def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
+                    found: dict | None = None, config: dict | None = None, reshard=None) -> Path | None:
     """The newest valid checkpoint at ``where``: a checkpoint, its parent, or a run directory.
-    Partial or corrupt ones are skipped with a warning."""
+    Invalid ones are skipped with a warning; a single checkpoint named directly that is
+    invalid raises ``InvalidCheckpoint``. ``found``, if given, receives what was read from the
+    one returned (so that loading it does not read it again)."""
     where = Path(where)
-    if (where / "manifest.json").exists() or where.name.startswith("step-"):
-        candidates = [where]
+    if (where / "manifest.json").exists() or where.name.startswith("step-") or where.is_file():
+        candidates, single = [where], True
     else:
-        candidates = step_dirs(where / "checkpoints" if (where / "checkpoints").is_dir() else where)
+        candidates, single = step_dirs(where / "checkpoints" if (where / "checkpoints").is_dir() else where), False
     for path in candidates:
-        problem = is_valid(path)
-        if problem is None:
-            return path
-        log.warning("skipping checkpoint %s: %s", path, problem)
+        try:
+            checked = inspect_checkpoint(path, model, own_format, config, reshard)
+        except InvalidCheckpoint as err:
+            if single:
+                raise
+            log.warning("skipping checkpoint %s: %s", path, err)
+            continue
+        if found is not None:
+            found[path] = checked
+        return path
     return None
 
 
@@ -298,32 +391,60 @@ class Checkpoints:
         return agree(flag) if agree is not None else flag
 
     # ------------------------------------------------------------------ writing
+    @property
+    def own_format(self) -> bool:
+        return hasattr(self.engine, "save_checkpoint")  # DeepSpeed: ZeRO partitions per rank
+
     def save(self, state: TrainState) -> Path | None:
-        """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here)."""
-        own_format = hasattr(self.engine, "save_checkpoint")  # DeepSpeed: ZeRO partitions per rank
+        """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here).
+        The ranks then agree: none goes on (or reports the checkpoint) before the writers are
+        done, and every rank stops if a write failed."""
         if self.root is None or state.step == self.last_saved_step:
             return None
         self.last_saved_step = state.step
-        if not (self.is_main or own_format):
-            return None
+        final, error = self.root / f"step-{state.step:08d}", None
+        try:
+            if self.is_main or self.own_format:
+                self._write(state, final)
+        except Exception as err:  # noqa: BLE001 - a full disk, a vanished directory, ...
+            error = err
+        if self.any_rank(error is not None):
+            raise SaveError(final, error)
+        return final
+
+    def _write(self, state: TrainState, final: Path) -> None:
         t0 = time.perf_counter()
         p, epochs = self.parts, self.parts["epochs"]
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"step-{state.step:08d}"
         position = {"step": state.step, "epoch": epochs.epoch, "batches_seen": epochs.batches_seen,
                     "bad_streak": int(state.bad_streak)}
         blob = {"format": FORMAT, "position": position, "scheduler": p["scheduler"].state_dict(),
                 "rng": rng_state(), "extra": state.extra}
-        if own_format:
+        if self.own_format:
             # The engine writes model, optimizer and loss scale in its own format, straight into
             # the final directory; the manifest written last still decides whether it counts.
             shutil.rmtree(final, ignore_errors=True)
             self.engine.save_checkpoint(self.root, client_state=blob, tag=final.name)
             if not self.is_main:
-                return None
+                return
             tmp = final
+            needs = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         else:
             tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{final.name}-"))
+            needs = list(LOCAL_FILES)
+        try:
+            self._fill(tmp, final, blob, position, needs)
+        except BaseException:  # a full disk, a second Ctrl-C: no half-written directory stays
+            if tmp != final or not (final / "manifest.json").exists():  # never a complete one
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.save_seconds.append(time.perf_counter() - t0)
+        log.info("checkpoint %s (%.1f MB, %.2f s)", final,
+                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
+
+    def _fill(self, tmp: Path, final: Path, blob: dict, position: dict, needs: list[str]) -> None:
+        if tmp != final:
+            p = self.parts
             from safetensors.torch import save_model
             save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
             with open(tmp / "model.safetensors", "rb+") as f:
@@ -335,26 +456,23 @@ class Checkpoints:
                 os.fsync(f.fileno())
         write_file(tmp / "config.yaml", self.config_yaml.encode())
         meta = {**position, "config_hash": config_hash(self.config_yaml), "torch": torch.__version__,
-                "time": time.time()}
+                "time": time.time(), "needs": needs}  # every file a resume reads: the manifest must list them
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         write_file(tmp / "manifest.json", json.dumps({"files": files}, indent=1).encode())  # last
         fsync_dir(tmp)
         if tmp != final:
-            if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete
-                trash = final.with_name(f".old-{final.name}-{os.getpid()}")
-                os.rename(final, trash)
-                os.rename(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            with held():  # no signal between the two renames of a swap
+                if final.exists():  # the same step saved again (e.g. after a resume): swap, then delete
+                    trash = final.with_name(f".old-{final.name}-{os.getpid()}")
+                    os.rename(final, trash)
+                    os.rename(tmp, final)
+                    shutil.rmtree(trash, ignore_errors=True)
+                else:
+                    os.rename(tmp, final)
         fsync_dir(self.root)
         self.rotate()
-        self.save_seconds.append(time.perf_counter() - t0)
-        log.info("checkpoint %s (%.1f MB, %.2f s)", final,
-                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
-        return final
 
     def rotate(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; remove older ones, partial ones older
@@ -371,23 +489,39 @@ class Checkpoints:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
-    def load(self, path: Path, state: TrainState) -> list[str]:
-        """Restore everything from ``path`` into the bound parts and ``state``. Returns the
-        config changes accepted as safe."""
+    def find(self, where: Path, found: dict | None = None) -> Path | None:
+        """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
+        return find_checkpoint(where, self.parts.get("model"), self.own_format, found, self.current_config(),
+                               self.reshard)
+
+    @property
+    def reshard(self):
+        """The engine's judge of a resume on another number of processes (FSDP), or None."""
+        return getattr(self.engine, "resume_config", None)
+
+    def current_config(self) -> dict | None:
+        """This run's resolved config (None when unknown: nothing to compare)."""
         from omegaconf import OmegaConf
+        return OmegaConf.to_container(OmegaConf.create(self.config_yaml)) if self.config_yaml.strip() else None
+
+    def load(self, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
+        """Restore everything from ``path`` into the bound parts and ``state``. Returns the
+        config changes accepted as safe. ``checked``: what ``inspect_checkpoint`` read from it
+        (validated again here otherwise); nothing is loaded before it has passed."""
         from safetensors.torch import load_model
 
-        saved_cfg = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
-        now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
-        # an engine may accept a change the saved config alone cannot judge (FSDP: another
-        # number of processes splitting the same global batch differently)
-        reshard = getattr(self.engine, "resume_config", None)
-        accepted = (reshard(saved_cfg, now_cfg, path) if reshard else []) + check_resume_config(saved_cfg, now_cfg)
+        try:
+            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format,
+                                                    self.current_config(), self.reshard)
+        except InvalidCheckpoint as err:
+            raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
+                              "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
+        accepted = checked["accepted"]
         p = self.parts
-        if hasattr(self.engine, "load_checkpoint"):  # the engine's own format (DeepSpeed)
+        if self.own_format:  # the engine's own format (DeepSpeed)
             blob = self.engine.load_checkpoint(path.parent, tag=path.name)
         else:
-            blob = load_state(path / "state.pt")
+            blob = checked["state"]
             load_model(unwrap(p["model"]), str(path / "model.safetensors"))
             p["optimizer"].load_state_dict(blob["optimizer"])
             p["precision"].load_state_dict(blob["precision"])
@@ -402,11 +536,18 @@ class Checkpoints:
         return accepted
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (on this rank or another); the last complete one stays."""
+
+    def __init__(self, path: Path, cause: Exception | None):
+        self.path, self.cause = path, cause
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
+        super().__init__(f"could not write the checkpoint {path} ({why})")
+
+
 def load_state(path: Path) -> dict:
-    """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code."""
+    """``torch.load`` with ``weights_only=True`` (see ``read_state``), refused with one line."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ConfigError("resume", f"{path} holds objects other than tensors and plain containers "
-                          f"and was not unpickled ({str(err).splitlines()[0]})",
-                          "resume from a checkpoint looplib wrote, or delete this one") from None
+        return read_state(path)
+    except InvalidCheckpoint as err:
+        raise ConfigError("resume", f"{path}: {err}", "resume from a checkpoint looplib wrote, or delete this one") from None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import autobatch, loggers
+from . import autobatch, loggers, rundir
 from .accumulation import Accumulation
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
@@ -27,8 +26,8 @@ from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
-from .state import (EXIT_NUMERIC, EXIT_PREEMPTED, Checkpoints, NumericError, Preemption, TrainState,
-                    find_checkpoint)
+from .signals import EXIT_INTERRUPTED, Interrupted, Signals
+from .state import EXIT_IO, EXIT_NUMERIC, Checkpoints, InvalidCheckpoint, NumericError, SaveError, TrainState
 from .plan import optimizer_state_bytes
 from .telemetry import Telemetry, peak_flops
 
@@ -85,8 +84,8 @@ def build_job(cfg: DictConfig) -> Job:
     return job
 
 
-def run(job: Job, run_dir: Path) -> TrainState:
-    s, engine = job.settings, job.engine
+def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
+    s, engine, signals = job.settings, job.engine, signals or Signals()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
@@ -94,59 +93,56 @@ def run(job: Job, run_dir: Path) -> TrainState:
     with blame("loader"):
         train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
                              rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
+    epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
                             device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
+    if s.eval_batches and not eval_batches:
+        log.warning("the held-out split yields no batch (%d sequences for batch_size=%d): no evaluation",
+                    len(job.corpus.eval), s.batch_size)
     with blame("optim", job.cfg):
         optimizer = job.optim.build(job.model)
     with blame("schedule", job.cfg):
         scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, job.precision, max_grad_norm = engine.prepare(job.model, optimizer, job.precision, s)
-    epochs, state = Epochs(train), TrainState()
     ckpt = job.cfg.checkpoint
     root = run_dir / "checkpoints" if ckpt.get("enabled", True) else None  # checkpoint.enabled=false: none
     checkpoints = Checkpoints(root, ckpt.every_steps, ckpt.keep, s.max_bad_steps,
                               config_yaml, engine.is_main, engine, check_every=s.log_every)
-    with Preemption() as preemption:
-        checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
-                         precision=job.precision, epochs=epochs, preemption=preemption)
-        logged = loggers.logged_steps(run_dir / "metrics.jsonl") if s.resume else {}  # before resume() cuts it
-        if s.resume:
-            resume(checkpoints, state, s.resume, run_dir)
-        if engine.is_main:
-            (run_dir / "config.yaml").write_text(config_yaml)
-            if hasattr(job.corpus, "save"):
-                job.corpus.save(run_dir)  # e.g. labels.json
-        telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
-                              device=engine.device, enabled=engine.is_main, progress=s.progress,
-                              **mfu_settings(job), logger=job.logger if engine.is_main else None,
-                              run=loggers.describe(job.cfg, run_dir, state.step, logged))
-        telemetry.resumed_from = state.step or None
-        telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
-        telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
-        n_params = sum(p.numel() for p in job.model.parameters())
-        log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
-                 "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
-                 s.max_steps, s.batch_size, s.accum_steps,
-                 getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
+    checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
+                     precision=job.precision, epochs=epochs, preemption=signals)
+    logged = loggers.logged_steps(run_dir / "metrics.jsonl") if s.resume else {}  # before resume() cuts it
+    if s.resume:
+        resume(checkpoints, state, s.resume, run_dir)
+    if engine.is_main:
+        write_atomic(run_dir / "config.yaml", config_yaml)
+        if hasattr(job.corpus, "save"):
+            job.corpus.save(run_dir)  # e.g. labels.json
+    telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
+                          device=engine.device, enabled=engine.is_main, progress=s.progress,
+                          **mfu_settings(job), logger=job.logger if engine.is_main else None,
+                          run=loggers.describe(job.cfg, run_dir, state.step, logged))
+    telemetry.resumed_from = state.step or None
+    telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+    telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
+    n_params = sum(p.numel() for p in job.model.parameters())
+    log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
+             "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
+             s.max_steps, s.batch_size, s.accum_steps,
+             getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
+    first_step = state.step  # a resumed run that had already finished evaluates nothing again
+    with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
         try:
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
                 precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
-                eval_data=eval_batches, eval_every=s.eval_every, evaluator=job.evaluation,
+                eval_data=eval_batches or None, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)
             if state.preempted:
                 telemetry.finish("preempted", loggers.artefacts(run_dir))
-            if state.preempted and checkpoints.root is None:
-                log.warning("preempted (signal %s) at step %d: checkpoint.enabled=false, so nothing was saved; "
-                            "exit %d", preemption.signum, state.step, EXIT_PREEMPTED)
+                report_stop(signals, state, run_dir, saved=checkpoints.root is not None, main=engine.is_main)
                 return state
-            if state.preempted:
-                log.warning("preempted (signal %s) at step %d: checkpoint saved; exit %d. Continue with: "
-                            "python -m looplib.train ... resume=auto hydra.run.dir=%s",
-                            preemption.signum, state.step, EXIT_PREEMPTED, run_dir)
-                return state
-            if eval_batches and not (s.eval_every and state.step % s.eval_every == 0):
+            if eval_batches and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
@@ -157,34 +153,63 @@ def run(job: Job, run_dir: Path) -> TrainState:
             telemetry.finish("finished", loggers.artefacts(run_dir))
         finally:
             telemetry.close()  # trackers not finished above end as failed
-    if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate"):
-        print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
+        if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
+            print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
     return state
 
 
+def report_stop(signals: Signals, state: TrainState, run_dir: Path, saved: bool, main: bool) -> None:
+    """The run stopped early on a signal, after saving: say how to continue (rank 0 only)."""
+    if not main:
+        return
+    what = "interrupted (Ctrl-C)" if signals.status == EXIT_INTERRUPTED else f"preempted ({signals.name})"
+    if not saved:
+        log.warning("%s at step %d: checkpoint.enabled=false, so nothing was saved; exit %d", what, state.step,
+                    signals.status)
+        return
+    log.warning("%s at step %d: checkpoint saved; exit %d. Continue with: python -m looplib.train ... "
+                "resume=auto hydra.run.dir=%s", what, state.step, signals.status, run_dir)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path) -> None:
     """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
-    ``resume=PATH``: a checkpoint, or a run directory holding some."""
-    path = find_checkpoint(run_dir if where == "auto" else Path(where))
+    ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
+    ``state.inspect_checkpoint``) are skipped with a warning, or refused when named directly."""
+    found: dict = {}
+    try:
+        path = checkpoints.find(run_dir if where == "auto" else Path(where), found)
+    except InvalidCheckpoint as err:
+        raise ConfigError("resume", f"{where} is not a valid checkpoint: {err}",
+                          "give a complete checkpoint (.../checkpoints/step-N) or a run directory, or use "
+                          "resume=auto") from None
     if path is None:
         if where != "auto":
             raise ConfigError("resume", f"no valid checkpoint at {where}",
                               "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
-        log.warning("resume=auto: no checkpoint in %s yet, starting at step 0 (to continue an earlier "
+        log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
-        return
-    accepted = checkpoints.load(path, state)
-    log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
-             state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
-    metrics = run_dir / "metrics.jsonl"
+    else:
+        accepted = checkpoints.load(path, state, found.get(path))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
+                 state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
+    metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
     if checkpoints.is_main and metrics.exists():  # rows past the checkpoint came from the run that died
         import json
-        rows = [line for line in metrics.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= state.step]
-        tmp = metrics.with_name(metrics.name + ".tmp")
-        tmp.write_text("".join(row + "\n" for row in rows))
-        os.replace(tmp, metrics)
+        rows = []
+        for line in metrics.read_text().splitlines():
+            try:
+                if line.strip() and json.loads(line).get("step", 0) <= state.step:
+                    rows.append(line)
+            except (ValueError, AttributeError):  # a row cut short by a kill: dropped
+                pass
+        write_atomic(metrics, "".join(row + "\n" for row in rows))
 
 
 def mfu_settings(job: Job) -> dict:
@@ -206,44 +231,60 @@ def print_sample(job: Job, n_tokens: int) -> None:
         print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
 
 
-def forget_run_dir(run_dir: Path) -> None:
-    """After a configuration error: remove what Hydra wrote for this run, nothing else."""
-    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-    for log_file in run_dir.glob("*.log"):
-        log_file.unlink(missing_ok=True)
+def say(line: str) -> None:
+    """One line on stderr, from one rank (every rank finds the same error)."""
+    if launched_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
+    """Build and run the job; every way it can end becomes one line and an exit status."""
+    fresh = False
     try:
-        run_dir.rmdir()  # only if now empty: a directory holding anything else is left alone
-    except OSError:
-        pass
+        fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
+        job = build_job(cfg)
+        shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+        if shared != run_dir:
+            rundir.forget(run_dir, fresh=True)  # this rank's scratch directory
+            run_dir, fresh = shared, fresh and not rundir.results(shared)
+        state = run(job, run_dir, signals)
+    except ConfigError as err:  # found before training: nothing of this run stays behind
+        signals.finish()
+        say(f"looplib: error: {err}")
+        rundir.forget(run_dir, fresh and not signals.training)
+        return EXIT_CONFIG
+    except NumericError as err:
+        signals.finish()
+        say(f"looplib: stopped: {err}")
+        return EXIT_NUMERIC
+    except SaveError as err:
+        signals.finish()
+        say(f"looplib: error: {err}; the last complete checkpoint stays (resume=auto continues from it)")
+        return EXIT_IO
+    except Interrupted as sig:
+        signals.finish()
+        if signals.training:  # a second Ctrl-C while training
+            say(f"looplib: stopped at once ({sig}); the last complete checkpoint stays. Continue with: "
+                f"python -m looplib.train ... resume=auto hydra.run.dir={run_dir}")
+        else:
+            say(f"looplib: stopped ({sig}) before training started; nothing was saved")
+            rundir.forget(run_dir, fresh)
+        return sig.status
+    status = signals.status if state.preempted else 0
+    signals.finish()
+    job.engine.close()  # a collective (DDP, DeepSpeed): only when every rank got here
+    return status
 
 
 @hydra.main(version_base="1.3", config_path="pkg://looplib.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        job = build_job(cfg)
-    except ConfigError as err:
-        forget_run_dir(run_dir)
-        if launched_rank() == 0:  # every rank finds the same error: one says it
-            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG)
-    shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
-    if shared != run_dir:
-        forget_run_dir(run_dir)
-    try:
-        state = run(job, shared)
-    except ConfigError as err:  # found after the run directory was in use: leave it as it is
-        if launched_rank() == 0:
-            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG)
-    except NumericError as err:
-        if launched_rank() == 0:
-            print(f"looplib: stopped: {err}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_NUMERIC)
-    finally:
-        job.engine.close()
-    if state.preempted:
-        sys.exit(EXIT_PREEMPTED)
+    signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
+    status = execute(cfg, run_dir, signals)
+    signals.finish()                 # from here on a signal changes nothing
+    rundir.write_exit_status(status)
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

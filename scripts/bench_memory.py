@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, device:
             launcher: tuple[str, ...] = ()) -> dict:
     """One training process (``launcher``: e.g. torchrun's arguments, for several); rank 0's figures."""
     run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     module = [*launcher, "-m", "looplib.train"] if launcher else ["-m", "looplib.train"]
     args = [sys.executable, *module, *job, *overrides, f"max_steps={steps}", f"device={device}",
             "log_every=1", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",

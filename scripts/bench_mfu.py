@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup:
     """One row in its own process. A row the device cannot run comes back refused, with looplib's
     one-line reason (exit status 2: fp8 or CUDA graphs on a CPU, liger-kernel not installed)."""
     run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={warmup + steps}",
             f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_batches=0",
             "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]

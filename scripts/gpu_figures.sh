@@ -55,7 +55,7 @@ for p in $parts; do
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; \
 for m in bitsandbytes deepspeed hydra omegaconf transformers accelerate lightning pynvml; do \
 $py -c \"import \$m; print('\$m', getattr(\$m, '__version__', 'ok'))\" 2>&1 | tail -n 1; done; \
-$py -m looplib.train +precision=bf16 +optim=adam8bit max_steps=60 eval_every=30 progress=lines \
+rm -rf $results/check_run && $py -m looplib.train +precision=bf16 +optim=adam8bit max_steps=60 eval_every=30 progress=lines \
 hydra.run.dir=$results/check_run && $py -m looplib.plan model=bert_large data=classification \
 loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     tests) part tests 300 $py -m pytest -q -rs -p no:cacheprovider \

@@ -63,5 +63,6 @@ def test_python_source_corpus(tmp_path):
 
 
 def test_python_source_without_files(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    from looplib.errors import ConfigError
+    with pytest.raises(ConfigError, match="too few to train on and hold one out"):
         PythonSource(seq_len=8, root=str(tmp_path), cache_dir=str(tmp_path))

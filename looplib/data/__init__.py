@@ -10,7 +10,7 @@ One module per concern:
 - ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader
 """
 from .corpora import (ClassificationCorpus, Corpus, FileCorpus, InstructCorpus, PythonSource, RandomCorpus,
-                      RandomTokens, TextCorpus, build_token_cache, python_files)
+                      RandomTokens, TextCorpus, build_token_cache, load_token_cache, python_files)
 from .loading import EpochSampler, Epochs, build_loader
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
 from .tokenizer import register_resolvers

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -99,19 +100,15 @@ class PythonSource(Corpus):
     def __init__(self, seq_len: Positive[int], vocab_size: Positive[int] = 2048, max_bytes: Positive[int] = 3_000_000,
                  eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05, root: str | None = None,
                  cache_dir: str | None = None):
-        from tokenizers import Tokenizer
-
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)
-        if not files:
-            raise FileNotFoundError(f"no Python files under {root or 'the standard library'}")
+        if len(files) < 2:  # one file at least for training, one held out
+            raise ConfigError("data.max_bytes", f"{len(files)} Python file(s) under {root or 'the standard library'} "
+                              f"within data.max_bytes={max_bytes}: too few to train on and hold one out",
+                              "raise data.max_bytes, or point data.root at more Python files")
         key = hashlib.sha256(repr((vocab_size, [(str(f), f.stat().st_size) for f in files])).encode())
         cache = Path(cache_dir or os.environ.get("LOOPLIB_CACHE", "~/.cache/looplib")).expanduser()
         cache = cache / f"pysource-{key.hexdigest()[:16]}"
-        if not (cache / "tokens.pt").exists():
-            build_token_cache(files, vocab_size, cache)
-        self.tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
-        saved = torch.load(cache / "tokens.pt", weights_only=True)
-        tokens, bounds = saved["tokens"], saved["file_ends"]
+        self.tokenizer, tokens, bounds = load_token_cache(cache, files, vocab_size)
         n_eval_files = max(1, int(len(bounds) * eval_fraction))
         split = int(bounds[-n_eval_files - 1])
         self.vocab_size = vocab_size
@@ -142,6 +139,42 @@ def python_files(root: Path, max_bytes: int) -> list[Path]:
     return files
 
 
+def load_token_cache(cache: Path, files: list[Path], vocab_size: int):
+    """The tokenizer, tokens and file ends cached at ``cache``, built on first use. A cache that
+    does not load (a crash mid-copy, a full disk, an edit) is removed and built again, with a
+    warning; one that cannot be rebuilt either is an error naming its path."""
+    from tokenizers import Tokenizer
+
+    def read():
+        tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
+        saved = torch.load(cache / "tokens.pt", weights_only=True)
+        tokens, bounds = saved["tokens"], saved["file_ends"]
+        if tokens.dim() != 1 or bounds.dim() != 1 or not len(bounds) or int(bounds[-1]) != len(tokens):
+            raise ValueError("tokens.pt does not hold the token stream it describes")
+        return tokenizer, tokens, bounds
+
+    try:
+        if not (cache / "tokens.pt").exists():
+            build_token_cache(files, vocab_size, cache)
+    except OSError as err:
+        raise ConfigError("data", f"cannot write the token cache {cache} ({err})",
+                          "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    try:
+        return read()
+    except Exception as err:  # noqa: BLE001 - whatever a damaged file raises: rebuild it
+        log.warning("the token cache %s is unreadable (%s): removing and rebuilding it", cache,
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+    try:
+        shutil.rmtree(cache, ignore_errors=True)
+        build_token_cache(files, vocab_size, cache)
+        return read()
+    except Exception as err:  # noqa: BLE001
+        raise ConfigError("data", f"the token cache {cache} is unreadable and could not be rebuilt "
+                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                          f"delete it (rm -r {cache}) or point LOOPLIB_CACHE at a writable directory") from None
+
+
+
 def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
     """Train the tokenizer and tokenise every file once; written atomically (tmp + rename)."""
     from tokenizers import ByteLevelBPETokenizer
@@ -160,16 +193,19 @@ def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
     dtype = torch.int16 if vocab_size <= 32767 else torch.int32
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=cache.name + ".tmp"))
-    tok.save(str(tmp / "tokenizer.json"))
-    torch.save({"tokens": torch.tensor(ids, dtype=dtype), "file_ends": torch.tensor(ends)}, tmp / "tokens.pt")
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        torch.save({"tokens": torch.tensor(ids, dtype=dtype), "file_ends": torch.tensor(ends)}, tmp / "tokens.pt")
+    except BaseException:  # a full disk, a signal: leave no half-written cache behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, cache)
     except OSError:  # another process finished first: keep theirs
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-EvalFraction = Annotated[float, Range(ge=0, lt=1)]   # 0: no held-out data
+
 ENCODE_BATCH_CHARS = 8 << 20   # text handed to the tokenizer at once (its threads split the batch)
 
 

@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..errors import ConfigError
+
 
 class EpochSampler(Sampler[int]):
     """Indices of one epoch: a permutation seeded by (seed, epoch), split across ranks.
@@ -58,6 +60,8 @@ class Epochs:
     def __init__(self, loader: DataLoader, epoch: int = 0, batches_seen: int = 0):
         self.loader, self.epoch, self.batches_seen = loader, epoch, batches_seen
         self.wait_s = 0.0  # host time spent waiting for the loader (telemetry's data_wait_share)
+        if sized(loader) and len(loader) == 0:  # known before any batch is drawn
+            raise empty_epoch(loader)
 
     def __iter__(self):
         sampler = getattr(self.loader, "sampler", None)
@@ -66,7 +70,10 @@ class Epochs:
                 sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
                 if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
                     self.loader.generator.manual_seed((sampler.seed * 100_003 + self.epoch) % 2**64)
+            whole = self.batches_seen == 0  # (a resumed epoch may have nothing left: that is fine)
             yield self._count(self.loader)
+            if whole and self.batches_seen == 0:  # an endless stream of empty epochs would spin forever
+                raise empty_epoch(self.loader)
             self.epoch, self.batches_seen = self.epoch + 1, 0
 
     def _count(self, loader):
@@ -82,6 +89,30 @@ class Epochs:
             self.batches_seen += 1
             yield batch
             t0 = time.perf_counter()
+
+
+def sized(loader) -> bool:
+    try:
+        len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return False
+    return True
+
+
+
+def empty_epoch(loader) -> ConfigError:
+    """The one-line error for training data that yields no batch (so no loop spins on it)."""
+    dataset, batch = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    world = getattr(sampler, "world", 1)
+    n = len(dataset) if dataset is not None and sized(dataset) else "no"
+    shape = f"{n} training sequences" + (f" over {world} ranks" if world > 1 else "")
+    shape += f" for batch_size={batch}" if batch else ""
+    shape += " with drop_last" if getattr(loader, "drop_last", False) else ""
+    return ConfigError("data", f"the training data yields no batch ({shape})",
+                       "give it more data (e.g. data.n_train, a corpus longer than one sequence of "
+                       "model.seq_len tokens) or a smaller batch_size")
+
 
 
 def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,

@@ -8,6 +8,7 @@ helper translates. A process started by hand is a world of one on a free local p
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -157,13 +158,27 @@ def rank0_dir(path: str) -> str:
     the process group is up (``Engine.shared_run_dir`` broadcasts it).
     """
     rank = launched_rank()
-    if rank == 0:
+    if rank == 0 or _AS_RANK0:
         return path
     scratch = Path(tempfile.gettempdir()) / f"looplib-rank{rank}-{os.getpid()}"
     if not scratch.exists():
         scratch.mkdir(parents=True, exist_ok=True)
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return str(scratch)
+
+
+_AS_RANK0 = False
+
+
+@contextlib.contextmanager
+def resolving_as_rank0():
+    """Resolve ``${looplib.rank0_dir:...}`` as rank 0 does (to check rank 0's directory on every rank)."""
+    global _AS_RANK0
+    _AS_RANK0 = True
+    try:
+        yield
+    finally:
+        _AS_RANK0 = False
 
 
 def register_resolvers() -> None:

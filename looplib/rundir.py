@@ -1,0 +1,139 @@
+"""The run directory: never write into another run's results, never leave a half-written one.
+
+``RunDirGuard`` is a Hydra callback (``hydra.callbacks`` in conf/config.yaml). Hydra calls it
+before it creates the run directory, opens its log file there or writes ``.hydra/``, so a
+refusal leaves an earlier run's files untouched:
+
+- a directory that already holds a run's results (anything but Hydra's own ``.hydra/`` and
+  ``*.log``: checkpoints, metrics.jsonl, model.safetensors, ...) is refused unless the job
+  continues that run (``resume=auto``, or ``resume=PATH`` inside it);
+- a directory that cannot be made or written (a file in its place, a read-only parent) is
+  refused with one line instead of Hydra's traceback.
+
+Every rank checks rank 0's directory, so under torchrun every rank refuses alike (exit 2).
+``forget`` removes what a run wrote into a directory that was empty before it, when the run
+ends before training (a refused setting, a signal): nothing half-written stays behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from .engines import launch
+from .errors import EXIT_CONFIG, ConfigError
+
+HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
+
+
+def results(path: Path) -> list[str]:
+    """What ``path`` holds besides Hydra's own files (sorted names; [] for a new directory). A
+    subdirectory counts only if it holds something itself (a sweep's job directories hold
+    only Hydra's files until their jobs run; under torchrun rank 0's Hydra may have written
+    them before another rank looks)."""
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name not in HYDRA_OWN and not p.name.endswith(".log")
+                  and not (p.is_dir() and not p.is_symlink() and not results(p)))
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a directory cannot be made or written at ``path``, or None."""
+    probe = path
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def check(path: Path, resume: str | None, key: str) -> None:
+    """Refuse a run directory that cannot be written or holds another run (``ConfigError``)."""
+    why = unwritable(path)
+    if why:
+        raise ConfigError(key, f"cannot write the run directory {path}: {why}",
+                          f"give a writable directory ({key}=...)")
+    held = results(path)
+    if not held:
+        return
+    inside = resume and resume != "auto" and Path(resume).resolve().is_relative_to(path.resolve())
+    if resume == "auto" or inside:
+        return  # this directory's own run, continued
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if resume:
+        raise ConfigError(key, f"{path} already holds files ({shown}); resuming {resume} into it "
+                          "would mix two runs", f"give a new directory ({key}=...)")
+    raise ConfigError(key, f"{path} already holds files ({shown}) that this run would overwrite or mix with its own",
+                      f"continue it with resume=auto, or give a new directory ({key}=...)")
+
+
+def as_rank0(config: DictConfig, key: str) -> Path | None:
+    """The directory ``key`` names for rank 0 (every rank resolves the same one), or None
+    where it does not resolve here (Hydra then reports its own error)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        HydraConfig.instance().set_config(config)  # for ${hydra:...} in the path
+        with launch.resolving_as_rank0():
+            return Path(str(OmegaConf.select(config, key))).absolute()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def refuse(err: ConfigError) -> None:
+    if launch.launched_rank() == 0:
+        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+    write_exit_status(EXIT_CONFIG)
+    sys.exit(EXIT_CONFIG)
+
+
+def write_exit_status(status: int) -> None:
+    """``LOOPLIB_EXIT_FILE``: rank 0 writes its exit status there as its last act. Launchers
+    (torchrun) report 1 when a rank exits non-zero, so a job script reads looplib's status here."""
+    path = os.environ.get("LOOPLIB_EXIT_FILE")
+    if path and launch.launched_rank() == 0:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(f"{status}\n")
+        os.replace(tmp, path)
+
+
+class RunDirGuard(Callback):
+    """Checks the run (or sweep) directory before Hydra writes anything into it."""
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        path = as_rank0(config, key)
+        if path is None:
+            return
+        resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
+        try:
+            check(path, None if resume is None else str(resume), key)
+        except ConfigError as err:
+            refuse(err)
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+
+def forget(path: Path, fresh: bool) -> None:
+    """After a run that ended before training: remove what it wrote. A directory that held
+    nothing before the run (``fresh``) is removed whole; otherwise only Hydra's files of this
+    attempt would be new, and the directory is left as it is."""
+    if not fresh or not path.is_dir():
+        return
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    try:
+        path.rmdir()
+    except OSError:
+        pass

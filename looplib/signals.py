@@ -1,0 +1,116 @@
+"""Signals: preemption (SIGTERM, SIGUSR1) and Ctrl-C (SIGINT), one handler for a whole run.
+
+    before training starts   nothing is worth saving: the signal stops the run at once
+                             (``Interrupted`` is raised wherever the process is: building data,
+                             a model, loading a checkpoint) and what this run wrote is removed
+    while training           a flag (no I/O in the handler): at the next optimizer-step
+                             boundary the run saves a checkpoint and stops
+    a second Ctrl-C          stops at once (``Interrupted``); checkpoints are written beside
+                             their place and renamed, so the last complete one stays intact
+                             (under torchrun, whose agent forwards each Ctrl-C to its workers,
+                             the agent stops them: it kills them after its grace period)
+    after the last step      the final checkpoint and weights are written; the run ends as
+                             finished (its work is done), without the sample
+
+Exit statuses: 75 (EX_TEMPFAIL) after SIGTERM/SIGUSR1, so a scheduler may requeue the job with
+``resume=auto``; 130 (128 + SIGINT, the shell's convention) after Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+
+EXIT_PREEMPTED = 75      # EX_TEMPFAIL: a scheduler may requeue the job; resume=auto continues it
+EXIT_INTERRUPTED = 130   # 128 + SIGINT: Ctrl-C
+
+
+def exit_status(signum: int) -> int:
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+def name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "a signal"
+
+
+class Interrupted(BaseException):
+    """A signal that stops the run at once. A BaseException, like KeyboardInterrupt, so that a
+    library's ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(name(signum))
+        self.signum = signum
+        self.status = exit_status(signum)
+
+
+class Signals:
+    """The run's handler for SIGTERM, SIGUSR1 and SIGINT; ``deferred()`` marks the training
+    phase, where a signal only sets a flag that the loop reads at step boundaries."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None   # the first signal received (decides the exit status)
+        self.ctrl_c = 0                  # Ctrl-C presses
+        # torchrun's agent forwards the terminal's Ctrl-C to its workers, which then get it twice:
+        # there the agent owns "stop at once" (it kills its workers after a grace period)
+        self.second_stops = "TORCHELASTIC_RUN_ID" not in os.environ
+        self.defer = False
+        self.training = False            # deferred() was entered: the run got as far as training
+        self.finished = False            # set by finish(): later signals are ignored
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame):
+        if self.finished:  # the run is over (cleaning up, exiting): nothing left to interrupt
+            return
+        self.signum = self.signum or signum
+        self.ctrl_c += signum == signal.SIGINT
+        if not self.defer or (self.ctrl_c >= 2 and self.second_stops):  # nothing to save yet, or a second Ctrl-C
+            raise Interrupted(signum)
+
+    def __enter__(self) -> "Signals":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    @contextmanager
+    def deferred(self):
+        """While training: a signal sets the flag; the loop saves and stops at the next boundary.
+        A signal that arrived just before is acted on at the first boundary."""
+        self.defer = self.training = True
+        try:
+            yield self
+        finally:
+            self.defer = False
+
+    def finish(self) -> None:
+        """The run has ended (or is reporting how it ended): a signal now changes nothing, and
+        cannot kill the process on its way out."""
+        self.finished = True
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def status(self) -> int:
+        return exit_status(self.signum)
+
+    @property
+    def name(self) -> str:
+        return name(self.signum)
+
+
+@contextmanager
+def held():
+    """A few instructions that no signal may split (e.g. two renames that swap a checkpoint):
+    SIGTERM, SIGUSR1 and SIGINT are blocked, and delivered when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, Signals.SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -1,0 +1,288 @@
+"""Faults as users meet them (issue 11): nothing hangs, nothing lost, one line and a documented status.
+
+Groups: hangs and signals at any point; a run directory that holds another run; malformed
+checkpoints; a corrupt token cache and an unwritable run directory; Ctrl-C; torchrun statuses.
+"""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from looplib import optim as lo
+from looplib.data import Epochs, RandomTokens, build_loader, load_token_cache
+from looplib.engines.launch import free_port
+from looplib.errors import ConfigError
+from looplib.loop import fit
+from looplib.models import GPT
+from looplib.precision import FP32
+from looplib.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted, Signals
+from looplib.state import Checkpoints, InvalidCheckpoint, TrainState, find_checkpoint, is_valid
+
+from conftest import REPO, run_cli
+
+TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+        "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0",
+        "checkpoint.every_steps=1", "progress=lines"]
+ENV = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def looplib_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("looplib:")]
+
+
+def files(root: Path) -> dict:
+    """Every file under ``root`` with its bytes' digest (to prove nothing was touched)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def start(*args, cwd, module="looplib.train", env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env={**os.environ, **ENV, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, text: str, timeout: float = 300) -> list[str]:
+    """Read the process's output until a line holds ``text`` (no timing assumptions)."""
+    seen, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.time() < deadline, "".join(seen)
+    raise AssertionError(f"{text!r} never appeared:\n{''.join(seen)}")
+
+
+# ---------------------------------------------------------------- 1. hangs and signals at any point
+
+def test_an_epoch_without_a_batch_is_an_error_not_an_endless_loop():
+    with pytest.raises(ConfigError, match="data: the training data yields no batch .3 training sequences for "
+                                          "batch_size=4 with drop_last"):
+        Epochs(build_loader(RandomTokens(3, 8, 16), batch_size=4, seed=0, drop_last=True))
+
+    class Nothing(torch.utils.data.IterableDataset):  # no __len__: found at the first epoch's end
+        def __iter__(self):
+            return iter(())
+    epochs = iter(Epochs(DataLoader(Nothing(), batch_size=2)))
+    assert list(next(epochs)) == []
+    with pytest.raises(ConfigError, match="yields no batch"):
+        next(epochs)
+
+
+def test_a_corpus_shorter_than_one_sequence_is_one_line_and_exit_2(tmp_path):
+    r = run_cli(*[a for a in TINY if not a.startswith("data")], "data=pysource", "data.max_bytes=6000", "model.seq_len=4096", f"hydra.run.dir={tmp_path / 'run'}",
+                cwd=tmp_path, env={**ENV, "LOOPLIB_CACHE": str(tmp_path / "cache")}, timeout=300)
+    # a corpus shorter than one sequence; before the fix: an endless loop at full CPU
+    assert r.returncode == 2, r.stderr
+    assert looplib_lines(r.stderr) == [r.stderr.strip()] and "yields no batch" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_sigterm_before_training_exits_75_and_leaves_nothing(tmp_path):
+    """A signal while the tokenizer is trained (the longest part before training) stops at once."""
+    cache = tmp_path / "cache"
+    proc = start("data=pysource", "data.max_bytes=400000", "model.n_layer=1", "max_steps=2",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"LOOPLIB_CACHE": str(cache)})
+    wait_for(proc, "byte-level BPE tokenizer")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_PREEMPTED, out
+    assert "before training started; nothing was saved" in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()
+    assert not cache.exists() or not [p for p in cache.iterdir() if ".tmp" in p.name]  # no half-built cache
+
+
+def test_a_signal_while_training_is_a_flag_and_a_second_ctrl_c_stops_at_once():
+    with Signals() as signals:
+        with pytest.raises(Interrupted):  # before training: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+        signals.signum = None
+        with signals.deferred():
+            os.kill(os.getpid(), signal.SIGINT)      # first Ctrl-C: the loop saves and stops
+            assert signals.requested and signals.status == EXIT_INTERRUPTED
+            with pytest.raises(Interrupted) as stop:  # second Ctrl-C: now
+                os.kill(os.getpid(), signal.SIGINT)
+            assert stop.value.status == EXIT_INTERRUPTED
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ---------------------------------------------------------------- 2. another run's results
+
+def test_a_run_directory_holding_a_run_is_refused_untouched(tmp_path):
+    run_dir = tmp_path / "run"  # what an earlier run left: Hydra's files and looplib's
+    for name in (".hydra/config.yaml", "train.log", "metrics.jsonl", "model.safetensors",
+                 "checkpoints/step-00000002/manifest.json"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(f"the earlier run's {name}\n")
+    before = files(run_dir)
+    r = run_cli(*TINY, "max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr  # before the fix: trained into it, mixing two runs
+    assert looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
+    assert "already holds files (checkpoints, metrics.jsonl, model.safetensors)" in r.stderr and "resume=auto" in r.stderr
+    assert files(run_dir) == before  # .hydra/ and the log included: refused before Hydra wrote
+
+
+def test_an_unwritable_run_directory_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "taken").write_text("a file where the run directory should be")
+    r = run_cli(*TINY, f"hydra.run.dir={tmp_path / 'taken' / 'run'}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2 and looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
+    assert "is a file, not a directory" in r.stderr
+
+
+# ---------------------------------------------------------------- 4. malformed checkpoints
+
+def three_checkpoints(root: Path, d_model: int = 32) -> Checkpoints:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=d_model)
+    optimizer = lo.AdamW(lr=1e-2).build(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    epochs = Epochs(build_loader(RandomTokens(16, 16, 64), batch_size=4, seed=0))
+    ckpt = Checkpoints(root, every_steps=1, keep=3, config_yaml="model: {d_model: %d}\n" % d_model)
+    ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, precision=FP32(), epochs=epochs)
+    fit(model, epochs, objective=__import__("looplib").TokenCrossEntropy(), optimizer=optimizer,
+        scheduler=scheduler, max_steps=3, checkpoints=ckpt)
+    return ckpt
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(edit(manifest)))
+
+
+def refresh(path: Path, name: str) -> None:
+    """Make the manifest agree with a changed file (as a careless copy or an attacker would)."""
+    from looplib.state import sha256
+
+    def edit(m):
+        m["files"][name] = {"size": (path / name).stat().st_size, "sha256": sha256(path / name)}
+        return m
+    rewrite_manifest(path, edit)
+
+
+def drop(path: Path, name: str) -> None:
+    (path / name).unlink()
+    rewrite_manifest(path, lambda m: {"files": {k: v for k, v in m["files"].items() if k != name}})
+
+
+MALFORMED = {
+    "manifest is a list": lambda p: rewrite_manifest(p, lambda m: [m]),
+    "manifest entry without size": lambda p: rewrite_manifest(
+        p, lambda m: {"files": {k: {"sha256": v["sha256"]} for k, v in m["files"].items()}}),
+    "empty file list": lambda p: rewrite_manifest(p, lambda m: {"files": {}}),
+    "state.pt gone from disk and manifest": lambda p: drop(p, "state.pt"),
+    "unparsable config.yaml": lambda p: ((p / "config.yaml").write_text("a: [1, 2\n"), refresh(p, "config.yaml")),
+    "unreadable state.pt": lambda p: ((p / "state.pt").write_bytes(b"not a pickle"), refresh(p, "state.pt")),
+    "weights of another model": "d_model",
+}
+
+
+@pytest.mark.parametrize("fault", list(MALFORMED))
+def test_a_malformed_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path, fault, caplog):
+    ckpt = three_checkpoints(tmp_path)
+    newest = tmp_path / "step-00000003"
+    if MALFORMED[fault] == "d_model":  # a checkpoint of a wider model put in its place
+        other = three_checkpoints(tmp_path / "other", d_model=48)
+        for name in ("model.safetensors", "state.pt"):
+            (newest / name).write_bytes((tmp_path / "other" / "step-00000003" / name).read_bytes())
+            refresh(newest, name)
+    else:
+        MALFORMED[fault](newest)
+    model = ckpt.parts["model"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    problem = is_valid(newest, model)
+    assert problem, fault
+    with caplog.at_level("WARNING", logger="looplib"):
+        assert ckpt.find(tmp_path) == tmp_path / "step-00000002"  # resume=auto: the newest good one
+    assert f"skipping checkpoint {newest}: {problem}" in caplog.text
+    with pytest.raises(ConfigError, match="not a valid checkpoint") as err:  # resume=PATH: one line
+        ckpt.load(newest, TrainState())
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def test_resume_path_to_a_bad_checkpoint_is_one_line_and_leaves_no_run_directory(tmp_path):
+    three_checkpoints(tmp_path / "old")
+    bad = tmp_path / "old" / "step-00000003"
+    rewrite_manifest(bad, lambda m: {"files": {}})
+    r = run_cli(*TINY, "max_steps=3", f"resume={bad}", f"hydra.run.dir={tmp_path / 'new'}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert looplib_lines(r.stderr) == [r.stderr.strip()] and "not a valid checkpoint" in r.stderr
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(InvalidCheckpoint, match="not a directory"):  # resume=PATH naming a file
+        find_checkpoint(bad / "state.pt")
+
+
+# ---------------------------------------------------------------- 5. the environment
+
+def test_a_corrupt_token_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
+    sources = []
+    for i in range(3):
+        sources.append(tmp_path / f"m{i}.py")
+        sources[-1].write_text("def f(x):\n    return x + %d\n" % i * 20)
+    cache = tmp_path / "cache" / "pysource-test"
+    _, tokens, _ = load_token_cache(cache, sources, vocab_size=300)
+    (cache / "tokenizer.json").write_text('{"truncated')
+    with caplog.at_level("WARNING", logger="looplib"):
+        _, again, _ = load_token_cache(cache, sources, vocab_size=300)
+    assert torch.equal(again, tokens)
+    assert f"the token cache {cache} is unreadable" in caplog.text and "rebuilding" in caplog.text
+
+
+# ---------------------------------------------------------------- 6. Ctrl-C and launchers
+
+def test_ctrl_c_saves_exits_130_and_says_how_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(*TINY, "max_steps=100000", "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    wait_for(proc, "step 2/")
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_INTERRUPTED, out
+    assert "interrupted (Ctrl-C) at step" in out and "resume=auto" in out and "Traceback" not in out
+    [saved] = (run_dir / "checkpoints").iterdir()  # resumes like a preempted run (test_resume_cli.py)
+    assert is_valid(saved) is None and not (run_dir / "model.safetensors").exists()
+
+
+def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_path):
+    """SIGTERM to the training processes: every rank saves and exits 75 (torchrun's summary lists
+    each rank's status), none is killed by the SIGTERM torchrun then sends to the last rank;
+    torchrun itself reports 1, so the job script reads the status from LOOPLIB_EXIT_FILE."""
+    run_dir, status = tmp_path / "run", tmp_path / "status"
+    proc = start("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "looplib.train", "+engine=ddp",
+                 *TINY, "max_steps=100000", "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                 module="torch.distributed.run", env={"LOOPLIB_EXIT_FILE": str(status)})
+    seen = wait_for(proc, "step 2/")
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, out  # torchrun's own status for any failed rank (README)
+    assert out.count("exitcode  : 75") == 2, out  # both ranks, and no -15
+    assert status.read_text().strip() == str(EXIT_PREEMPTED)
+    [saved] = (run_dir / "checkpoints").iterdir()
+    assert is_valid(saved) is None
+    assert out.count("preempted (SIGTERM)") == 1  # said once, by rank 0, after it saved
+    assert out.index("checkpoint " + str(saved)) < out.index("preempted (SIGTERM)")
+
+
+def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    from looplib.state import SaveError
+    ckpt = three_checkpoints(tmp_path)
+    before = files(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SaveError, match="No space left on device"):
+        ckpt.save(TrainState(step=4))
+    assert files(tmp_path) == before  # no .tmp-* directory, the three checkpoints untouched
+    assert find_checkpoint(tmp_path) == tmp_path / "step-00000003"
