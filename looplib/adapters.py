@@ -77,7 +77,8 @@ class LoRA(FullModel):
             for name in matched:
                 if not isinstance(modules[name], ADAPTABLE) and type(modules[name]).__name__ != "Conv1D":
                     raise ConfigError("peft.target_modules",
-                                      f"{target!r} names {name}, a {type(modules[name]).__name__}, which LoRA cannot adapt",
+                                      f"{target!r} names {name}, a {type(modules[name]).__name__}, "
+                                      "which LoRA cannot adapt",
                                       "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
         try:  # a transformers wrapper (looplib.hf) adapts the model inside it: peft's own key names
             adapt = getattr(model, "adapt", None)

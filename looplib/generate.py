@@ -47,7 +47,8 @@ def default_prompt(run_dir: Path, prompt: str | None) -> str:
         raise ConfigError("--prompt", f"no prompt given, and the run's data does not load ({err})",
                           'give one: --prompt "..."') from None
     if corpus is None or not hasattr(corpus, "sample_prompt"):
-        raise ConfigError("--prompt", "no prompt given and the run's data has none to offer", 'give one: --prompt "..."')
+        raise ConfigError("--prompt", "no prompt given and the run's data has none to offer",
+                          'give one: --prompt "..."')
     return corpus.sample_prompt()
 
 

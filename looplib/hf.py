@@ -11,7 +11,8 @@ safetensors, sharded or not) with ``local_files_only``: nothing is ever download
 At the end of a run ``export`` writes ``<run dir>/hf/``: full weights (sharded beyond
 ``max_shard_size``), or with LoRA the adapter whose ``base_model_name_or_path`` is a loadable
 base (``path``, or ``<run dir>/hf_base/`` saved beside it when the model was built from a
-config, or is a classifier whose head ``path`` lacks), or merged weights (``peft.merge=true``); tokenizer files beside them.
+config, or is a classifier whose head ``path`` lacks), or merged weights (``peft.merge=true``);
+tokenizer files beside them.
 
 ``CausalLMLoss`` is the objective for an unwrapped ``transformers`` model (whose forward returns
 an output object with ``.logits``), for the Python API. transformers is imported only when one
@@ -100,7 +101,8 @@ class HFModel(nn.Module):
         rows = self.hf.get_input_embeddings().num_embeddings
         if vocab is not None and vocab > rows:
             where = f"the model at {self.path}" if self.path else "the model"
-            raise ConfigError("data.vocab_size", f"the data's tokenizer has {vocab} tokens but {where} embeds only {rows}",
+            raise ConfigError("data.vocab_size",
+                              f"the data's tokenizer has {vocab} tokens but {where} embeds only {rows}",
                               "take the tokenizer from the model directory (data.tokenizer=${model.path}), "
                               "or build the model with vocab_size >= the tokenizer's")
 
@@ -200,7 +202,8 @@ class SequenceClassifier(HFModel):
     # its own number of labels, so a classifier's adapter points at hf_base/ (num_labels, label map)
     path_is_base = False
 
-    def __init__(self, seq_len: Positive[int], num_labels: Positive[int] = 2, path: str | None = None, model_type: str | None = None,
+    def __init__(self, seq_len: Positive[int], num_labels: Positive[int] = 2, path: str | None = None,
+                 model_type: str | None = None,
                  gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
                  max_shard_size: str = "2GB", **config):
         if num_labels < 1:
@@ -322,7 +325,8 @@ def check_keys(config_class, overrides: dict, wrapper: type) -> None:
 def check_model_dir(path: str) -> None:
     where = Path(path)
     if not where.exists():
-        raise ConfigError("model.path", f"{path} does not exist", "give a local model directory (nothing is downloaded)")
+        raise ConfigError("model.path", f"{path} does not exist",
+                          "give a local model directory (nothing is downloaded)")
     if not where.is_dir() or not (where / "config.json").is_file():
         raise ConfigError("model.path", f"{path} is not a model directory (no config.json)",
                           "give a directory that save_pretrained wrote: config.json, weights, tokenizer files")
