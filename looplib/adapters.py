@@ -119,6 +119,9 @@ def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn
 
 
 def import_peft():
+    # peft imports torchao when it is installed, and torchao registers enums with torch's pytree,
+    # which logs two deprecation warnings per process: noise on every LoRA run's stderr
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     try:
         import peft
     except ImportError as err:
