@@ -4,7 +4,10 @@ Only the adapter weights require gradients, so the optimizer (built from trainab
 parameters only, ``looplib.optim.param_groups``) holds state for them alone, and the run
 saves them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
 own format) instead of ``model.safetensors``. ``load_lora(fresh_model, run_dir / "adapter")``
-loads them back. peft is imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
+loads them back. A transformers model (``looplib.hf``: ``+peft=lora_hf``) is adapted inside its
+wrapper, so the adapter's keys are peft's own, and the run writes ``hf/`` instead: the adapter
+``peft.AutoPeftModelFor...`` loads, or with ``merge: true`` the merged full weights.
+peft is imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import Literal
 
 from torch import nn
 
-from .engines.local import write_safetensors
+from .engines.local import Engine
 from .errors import ConfigError
 from .schema import Beta, Positive
 
@@ -23,6 +26,7 @@ log = logging.getLogger("looplib")
 # The bundled GPT's attention and MLP linears (looplib/models/gpt.py); peft matches a name
 # when it equals a module's full name or ends it after a dot ("mlp.0" -> "blocks.3.mlp.0").
 GPT_LINEARS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+ALL_LINEAR = "all-linear"
 # the layer types peft's LoRA adapts (plus transformers' Conv1D, recognised by name)
 ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
@@ -33,10 +37,14 @@ class FullModel:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def save(self, model: nn.Module, run_dir: Path, engine=None) -> None:
-        """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors."""
-        if engine is None:
-            write_safetensors(model, Path(run_dir) / "model.safetensors")
+    def save(self, model: nn.Module, run_dir: Path, engine=None, corpus=None) -> None:
+        """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors, or for
+        a transformers model (one with ``export``) ``hf/``, which transformers loads."""
+        engine = engine or Engine()
+        if hasattr(engine.unwrap(model), "export"):
+            weights = engine.full_weights(model)
+            if engine.is_main:
+                engine.unwrap(model).export(Path(run_dir), weights, corpus)
         else:
             engine.export_weights(model, Path(run_dir) / "model.safetensors")
 
@@ -46,44 +54,67 @@ class LoRA(FullModel):
 
     def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
                  target_modules: list[str] | tuple[str, ...] = GPT_LINEARS,
-                 bias: Literal["none", "all", "lora_only"] = "none"):
+                 bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False):
         if r < 1:
             raise ConfigError("peft.r", f"the LoRA rank must be at least 1 (got r={r})", "use e.g. peft.r=8")
         self.peft = import_peft()
+        targets = list(target_modules)
+        # [all-linear]: peft's own choice, every Linear but the output layer (any transformers model)
         self.config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                           target_modules=list(target_modules), bias=bias)
+                           target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias=bias)
+        self.merge = merge
+        self.adapted = None   # the peft model, once wrapped
 
     def wrap(self, model):
         modules = dict(model.named_modules())
-        for target in self.config["target_modules"]:
+        targets = self.config["target_modules"]
+        for target in [] if targets == ALL_LINEAR else targets:
             matched = [n for n in modules if n == target or n.endswith("." + target)]
             if not matched:
                 raise ConfigError("peft.target_modules", f"no module of {type(model).__name__} is named {target!r}",
-                                  "name Linear layers of the model, e.g. peft.target_modules=[attn.qkv,mlp.0]")
+                                  "name Linear layers of the model, e.g. peft.target_modules=[attn.qkv,mlp.0] "
+                                  "(a transformers model: +peft=lora_hf, or peft.target_modules=[q_proj,v_proj])")
             for name in matched:
                 if not isinstance(modules[name], ADAPTABLE) and type(modules[name]).__name__ != "Conv1D":
                     raise ConfigError("peft.target_modules",
                                       f"{target!r} names {name}, a {type(modules[name]).__name__}, which LoRA cannot adapt",
                                       "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
-        try:
-            wrapped = self.peft.get_peft_model(model, self.peft.LoraConfig(**self.config))
+        try:  # a transformers wrapper (looplib.hf) adapts the model inside it: peft's own key names
+            adapt = getattr(model, "adapt", None)
+            wrapped = adapt(self.peft, self.config) if adapt else self.peft.get_peft_model(
+                model, self.peft.LoraConfig(**self.config))
         except ValueError as err:  # anything peft refuses that the checks above did not catch
             raise ConfigError("peft.target_modules", str(err).splitlines()[0],
                               "name Linear (or Embedding/Conv) layers of the model") from None
-        trainable, total = wrapped.get_nb_trainable_parameters()
+        self.adapted = wrapped.adapter_model() if adapt else wrapped
+        trainable, total = self.adapted.get_nb_trainable_parameters()
         log.info("LoRA r=%d on %s: %s of %s parameters train (%.2f%%)", self.config["r"],
-                 ",".join(self.config["target_modules"]), f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+                 ",".join(targets) if targets != ALL_LINEAR else ALL_LINEAR, f"{trainable:,}", f"{total:,}",
+                 100 * trainable / total)
         return wrapped
 
-    def save(self, model, run_dir, engine=None):
-        if engine is None or engine.is_main:
-            unwrapped = engine.unwrap(model) if engine is not None else model
-            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"))  # safetensors by default
+    def save(self, model, run_dir, engine=None, corpus=None):
+        """Every rank calls this (ZeRO-3 gathers); the main rank writes ``adapter/`` (peft's
+        format), or for a transformers model ``hf/`` (the adapter, or merged weights with ``merge``)."""
+        engine = engine or Engine()
+        unwrapped = engine.unwrap(model)
+        weights = engine.full_weights(model)
+        if not engine.is_main:
+            return
+        if hasattr(unwrapped, "export"):
+            unwrapped.export(Path(run_dir), weights, corpus, merge=self.merge)
+        else:  # safetensors by default
+            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"), state_dict=weights)
 
 
 def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:
-    """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``."""
-    return import_peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``;
+    a transformers wrapper (looplib.hf) takes it on the model inside, as it was trained."""
+    peft = import_peft()
+    if hasattr(model, "adapt"):
+        model.hf = peft.PeftModel.from_pretrained(model.hf, str(path), is_trainable=trainable)
+        return model
+    return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
 
 def import_peft():

@@ -67,13 +67,14 @@ def probe(job, reserve_bytes: int = 0) -> Callable[[int], bool]:
     """``fits(size)``: one forward and backward of ``size`` training samples on the device, with
     ``reserve_bytes`` (the optimizer state to come) held aside on a GPU."""
     dataset, engine, model = job.corpus.train, job.engine, job.model
+    collate = getattr(job.corpus, "collate", None) or default_collate  # padded data: the corpus's own
 
     def fits(size: int) -> bool:
         ballast = None
         try:
             if reserve_bytes and engine.device.type == "cuda":
                 ballast = torch.empty(reserve_bytes, dtype=torch.uint8, device=engine.device)
-            batch = engine.to_device(default_collate([dataset[i % len(dataset)] for i in range(size)]))
+            batch = engine.to_device(collate([dataset[i % len(dataset)] for i in range(size)]))
             with job.precision.autocast():
                 loss = job.objective(model, batch) / max(1, job.objective.count(batch))
             job.precision.backward(loss)

@@ -16,9 +16,12 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from .engines.launch import register_resolvers
 from .errors import ConfigError
 from .optim import LR, WEIGHT_DECAY
 from .schema import NonNegative, Positive, Seed, check_options, default_of, parameters, refuse_unknown, show
+
+register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composing needs them)
 
 # Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
 # absent group means this option, read from the same YAML file `+group=option` would use.
@@ -120,6 +123,19 @@ def resolved(cfg: DictConfig, group: str | None) -> dict:
         key = group or (err.full_key if getattr(err, "full_key", None) else "config")
         raise ConfigError(key, f"the {key} config does not resolve: {' '.join(str(err.msg).split())}",
                           f"fix the interpolation in {key}") from None
+
+
+def check_sequences_fit(corpus: Any, model: Any) -> None:
+    """A training sample longer than the model's ``seq_len`` would fail in the first forward pass
+    (position embeddings run out): refuse it now. Models and data without these are not asked."""
+    limit = getattr(model, "seq_len", None)
+    try:
+        length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError("data.seq_len", f"the data's sequences hold {length} tokens, more than model.seq_len={limit}",
+                          "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
 
 
 def check_global_batch(s: Settings) -> None:

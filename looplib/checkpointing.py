@@ -40,8 +40,9 @@ NoCheckpointing = Checkpointing
 
 
 class ActivationCheckpointing(Checkpointing):
-    """Checkpoint every ``every``-th submodule whose class is one of ``types`` (class names
-    such as ``Block``, ``GPT2Block``, ``BertLayer``, or dotted paths) or whose qualified name
+    """Checkpoint every ``every``-th submodule whose class (or a base class) is one of ``types``
+    (class names such as ``Block``, ``GPT2Block``, ``BertLayer``, transformers' base of every
+    decoder/encoder layer ``GradientCheckpointingLayer``, or dotted paths) or whose qualified name
     matches the regular expression ``names`` (e.g. ``blocks\\.\\d+``). A match inside an
     already chosen submodule is skipped (checkpointing the outer one covers it)."""
 
@@ -60,9 +61,10 @@ class ActivationCheckpointing(Checkpointing):
         self.types, self.names, self.every = tuple(types), names, every
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        cls = type(module)
-        if cls.__name__ in self.types or f"{cls.__module__}.{cls.__qualname__}" in self.types:
-            return True
+        # a class or any base class: GradientCheckpointingLayer names every transformers block
+        for cls in type(module).__mro__[:-1]:
+            if cls.__name__ in self.types or f"{cls.__module__}.{cls.__qualname__}" in self.types:
+                return True
         return bool(self.pattern and name and self.pattern.fullmatch(name))
 
     def chosen(self, model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -4,11 +4,18 @@ The model is compiled in place with ``nn.Module.compile``: its class, ``state_di
 methods stay as they were, so saving, LoRA, activation checkpointing (applied to the blocks
 before this) and accumulation all see the same module. Compilation happens on the first
 forward pass (seconds to minutes); a change of shape, dtype or train/eval mode recompiles.
+``compile.loss=true`` compiles the objective's call too (the model's forward and the loss in
+one graph where dynamo can: the logits' cast and the cross-entropy fuse). The seconds spent
+compiling (forward, and backward where it is compiled lazily) are written to metrics.jsonl as
+a ``compile_s`` row at the end of the run.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Literal, get_args
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -23,6 +30,16 @@ class Compile:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def check(self, corpus) -> None:
+        """Refuse data this compile mode cannot run (build time, before the model exists)."""
+
+    def wrap_loss(self, objective):
+        return objective
+
+    def report(self) -> dict:
+        """What compiling cost, for metrics.jsonl (nothing when nothing was compiled)."""
+        return {}
+
 
 NoCompile = Compile
 
@@ -30,12 +47,13 @@ NoCompile = Compile
 class TorchCompile(Compile):
     """``model.compile(mode=..., backend=..., fullgraph=..., dynamic=...)``.
 
-    ``reduce-overhead`` adds CUDA graphs (fewer kernel launches for small batches);
+    ``reduce-overhead`` adds CUDA graphs (fewer kernel launches for small batches; CUDA only,
+    and static shapes only: ``dynamic=true`` is refused with it);
     ``max-autotune`` benchmarks kernels at compile time (slow to compile, fastest to run).
     """
 
     def __init__(self, mode: Mode = "default", backend: str = "inductor", fullgraph: bool = False,
-                 dynamic: bool | None = None):
+                 dynamic: bool | None = None, loss: bool = False):
         if mode not in MODES:
             raise ConfigError("compile.mode", f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
         import torch._dynamo
@@ -43,9 +61,81 @@ class TorchCompile(Compile):
         if backend not in backends:
             raise ConfigError("compile.backend", f"unknown backend {backend!r}",
                               f"use inductor (or one of {', '.join(backends)})")
-        self.mode, self.backend, self.fullgraph, self.dynamic = mode, backend, fullgraph, dynamic
+        if mode == "reduce-overhead" and dynamic:
+            raise ConfigError("compile.dynamic", "CUDA graphs (mode reduce-overhead) replay fixed shapes: "
+                              "dynamic=true would record a graph per shape", "use compile.dynamic=null or false, "
+                              "or +compile=default for inputs whose shapes vary")
+        self.mode, self.backend, self.fullgraph, self.dynamic, self.loss = mode, backend, fullgraph, dynamic, loss
+        self.clock = CompileClock()
+
+    def options(self) -> dict:
+        mode = {"mode": self.mode} if self.backend == "inductor" else {}
+        return dict(backend=self.backend, fullgraph=self.fullgraph, dynamic=self.dynamic, **mode)
+
+    def check(self, corpus):
+        if self.mode == "reduce-overhead" and getattr(corpus, "collate", None) is not None:
+            raise ConfigError("compile.mode", "CUDA graphs (reduce-overhead) replay fixed shapes, and this data pads "
+                              "each batch to its longest example", "use data.pack=true (fixed windows), or "
+                              "+compile=default")
 
     def wrap(self, model):
-        options = {"mode": self.mode} if self.backend == "inductor" else {}
-        model.compile(backend=self.backend, fullgraph=self.fullgraph, dynamic=self.dynamic, **options)
+        if self.mode == "reduce-overhead":
+            device = next(model.parameters(), torch.empty(0)).device
+            if device.type != "cuda":
+                raise ConfigError("compile.mode", f"reduce-overhead records CUDA graphs, and the model is on {device}",
+                                  "use +compile=default on this device")
+        self.clock.start()
+        model.compile(**self.options())
         return model
+
+    def wrap_loss(self, objective):
+        return CompiledLoss(objective, self.options()) if self.loss else objective
+
+    def report(self):
+        return self.clock.report()
+
+
+class CompiledLoss:
+    """An objective whose ``__call__`` (model forward + loss) runs through ``torch.compile``;
+    ``count`` and every other attribute are the objective's own."""
+
+    def __init__(self, objective, options: dict):
+        self.objective = objective
+        self.compiled = torch.compile(objective.__call__, **options)
+
+    def __call__(self, model, batch):
+        return self.compiled(model, batch)
+
+    def __getattr__(self, name):
+        return getattr(self.objective, name)
+
+
+class CompileClock:
+    """Seconds inside torch.compile (dynamo, AOTAutograd, inductor; lazily compiled backward
+    graphs too), through dynamo's compile start/end callbacks. Nested compiles count once."""
+
+    def __init__(self):
+        self.seconds, self.compiles, self._t0, self._on = 0.0, 0, None, False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if self._on:
+            return
+        from torch._dynamo.callback import callback_handler
+        callback_handler.register_start_callback(self._begin)
+        callback_handler.register_end_callback(self._end)
+        self._on = True
+
+    def _begin(self, _args) -> None:
+        with self._lock:
+            self._t0 = time.perf_counter()
+
+    def _end(self, _args) -> None:
+        with self._lock:
+            if self._t0 is not None:
+                self.seconds += time.perf_counter() - self._t0
+                self.compiles += 1
+                self._t0 = None
+
+    def report(self) -> dict:
+        return {"compile_s": round(self.seconds, 3), "compiles": self.compiles} if self._on else {}

@@ -19,11 +19,25 @@ from .precision import Precision
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Scores(float):
+    """The held-out loss, carrying the objective's other metrics (a classifier's accuracy)."""
+
+    def __new__(cls, loss: float, metrics: dict):
+        self = super().__new__(cls, loss)
+        self.metrics = metrics
+        return self
+
+
+def scored(loss: float, objective) -> float:
+    metrics = getattr(objective, "eval_metrics", None)
+    return Scores(loss, metrics()) if metrics else loss
+
+
 class Evaluation:
     """Evaluate the training model as it is, under the training precision's autocast."""
 
     def __call__(self, model, batches, objective, precision, engine) -> float:
-        return evaluate(model, batches, objective, precision, engine)
+        return scored(evaluate(model, batches, objective, precision, engine), objective)
 
 
 class HalfWeights(Evaluation):
@@ -43,7 +57,7 @@ class HalfWeights(Evaluation):
 
     def __call__(self, model, batches, objective, precision, engine) -> float:
         with cast_weights(model, self.dtype):
-            return evaluate(model, batches, objective, Precision(), engine)
+            return scored(evaluate(model, batches, objective, Precision(), engine), objective)
 
 
 @contextmanager

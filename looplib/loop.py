@@ -35,6 +35,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     epochs = data if isinstance(data, Epochs) else Epochs(data)
     telemetry.watch(optimizer, epochs)
     model.train()
+    params = [p for p in model.parameters() if p.requires_grad]  # walked once, not twice per step
     if state.step >= max_steps:
         return state
     for window in accumulation.windows(epochs, objective.count):
@@ -47,7 +48,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
                 precision.backward(loss)
             telemetry.add(loss)
         precision.unscale(optimizer)                 # fp16: once per step, before clipping
-        grad_norm = clip_grad_norm(model, max_grad_norm)
+        grad_norm = clip_grad_norm(params, max_grad_norm)
         skipped = precision.step(optimizer, grad_norm)  # skipped if gradients hold inf/NaN
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)        # step, *then* zero
@@ -60,16 +61,19 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
     return state
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor | None:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:
     """Clip to ``max_norm`` (None or 0: measure only). Returns the total gradient norm as a
     device tensor, without a host-device sync; None where the engine holds the gradients
     (DeepSpeed ZeRO partitions them and clips itself)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
         return None
     if max_norm:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True)
+    # FSDP: the norm of sharded gradients is a replicated DTensor holding the global norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @torch.inference_mode()

@@ -156,6 +156,31 @@ class Adam8bit(OptimizerFactory):
                                         min_8bit_size=self.min_8bit_size)
 
 
+class TorchaoAdam8bit(OptimizerFactory):
+    """torchao's 8-bit AdamW (``+optim=adam8bit_ao``; ``pip install 'looplib[fp8]'``, torchao,
+    imported only when chosen): block-wise 8-bit moments like bitsandbytes' (tensors of at least
+    4096 elements that split into whole blocks; others keep moments in the parameter's dtype),
+    with each parameter's update one kernel made by torch.compile (compiled at the first step)."""
+
+    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
+                 betas: tuple[Beta, Beta] = BETAS, eps: Positive[float] = EPS, block_size: Positive[int] = 256,
+                 bf16_stochastic_round: bool = False):
+        super().__init__(lr, weight_decay)
+        self.betas, self.eps, self.block_size = tuple(betas), eps, block_size
+        self.bf16_stochastic_round = bf16_stochastic_round
+        try:
+            import torchao.optim
+        except ImportError as err:
+            raise ConfigError("optim", f"adam8bit_ao needs torchao, which does not import ({err})",
+                              "pip install 'looplib[fp8]', or use +optim=adam8bit (bitsandbytes)") from None
+        self.torchao_optim = torchao.optim
+
+    def create(self, groups):
+        return self.torchao_optim.AdamW8bit(groups, lr=self.lr, betas=self.betas, eps=self.eps,
+                                            block_size=self.block_size,
+                                            bf16_stochastic_round=self.bf16_stochastic_round)
+
+
 def import_bitsandbytes():
     import logging
     import warnings

@@ -9,7 +9,8 @@ Prints, for the job ``python -m looplib.train <overrides>`` would run, where the
 - activations saved for backward per micro-batch, with and without activation
   checkpointing: an estimate, measured by running the model on the meta device (no memory,
   no compute) with attention counted as a fused kernel saves it (q, k, v, output, logsumexp);
-- per rank under DeepSpeed ZeRO 1/2/3, with and without offload, for ``--world-size`` ranks;
+- per rank under DeepSpeed ZeRO 1/2/3, with and without offload, and under FSDP2 (shards plus
+  the largest unit gathered whole), for ``--world-size`` ranks;
 
 then compares with the device's memory and recommends what to change, in the guides' order.
 The model is built on the meta device, so a model larger than the machine can be planned.
@@ -120,6 +121,21 @@ def _adam8bit(factory: lo.Adam8bit, model):
     return total + (BNB_QMAP if any_8bit else 0)
 
 
+@state_rule.register
+def _adam8bit_ao(factory: lo.TorchaoAdam8bit, model):
+    """torchao: uint8 codes + one scale (parameter dtype) per block for tensors of >= 4096 whole
+    blocks' elements, plus a 256-entry map per moment; others: two moments in the parameter's dtype."""
+    total = 0
+    for p in unique_params(model, trainable=True):
+        n = p.numel()
+        total += torch.tensor(0.0).element_size()  # the per-parameter `step` tensor
+        if n >= 4096 and n % factory.block_size == 0:
+            total += 2 * (n + p.element_size() * (n // factory.block_size) + 256 * 4)
+        else:
+            total += 2 * nbytes(p)
+    return total
+
+
 def optimizer_state_bytes_of(factory, model: nn.Module) -> int:
     """Bytes of the state ``factory``'s optimizer holds after its first step on ``model``."""
     rule = state_rule(factory, model)
@@ -186,8 +202,14 @@ class MetaAutocast(TorchFunctionMode):
             return self.copies[id(x)]
         return x.to(dtype)
 
+    # data-dependent branches (transformers asks whether a mask is all ones, whether position
+    # ids are packed) cannot be read on meta tensors: answer "no" and take the general path
+    UNREADABLE = {torch.Tensor.__bool__: False, torch.Tensor.item: 0}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.UNREADABLE and args and torch.is_tensor(args[0]) and args[0].is_meta:
+            return self.UNREADABLE[func]
         if func is F.scaled_dot_product_attention:
             q, k, v = (self.cast(t, self.dtype) if self.dtype else t for t in args[:3])
             return FusedAttention.apply(q, k, v)
@@ -318,6 +340,29 @@ def zero_per_rank(params: int, grads: int, optim: int, world: int, stage: int,
     return (0 if offload_params and stage >= 3 else p) + g + (0 if offload_optimizer else o)
 
 
+# ------------------------------------------------------------------ FSDP2 (fully_shard)
+
+
+def fsdp_units(model: nn.Module, blocks) -> list[tuple[str, int]]:
+    """(name, parameters) of every unit FSDP gathers whole: each block, and the root's own
+    parameters (everything outside the blocks: embeddings, final norm, head)."""
+    units, in_blocks = [], set()
+    for name, module in ActivationCheckpointing(types=list(blocks)).chosen(model):
+        params = unique_params(module)
+        in_blocks |= {id(p) for p in params}
+        units.append((name, sum(p.numel() for p in params)))
+    units.append(("the root", sum(p.numel() for p in unique_params(model) if id(p) not in in_blocks)))
+    return units
+
+
+def fsdp_per_rank(sharded: int, unit: int, world: int, offload: bool = False) -> int:
+    """FSDP2's bytes per rank: parameters, gradients and optimizer state divided over ``world``
+    ranks (the ceiling: the last rank's share; in host memory with ``engine.offload=cpu``), plus
+    the largest unit gathered whole with its unsharded gradients before the reduce-scatter
+    (``unit``: its parameter bytes in the compute dtype, counted twice)."""
+    return (0 if offload else -(-sharded // world)) + 2 * unit
+
+
 # ------------------------------------------------------------------ the plan
 
 
@@ -343,6 +388,12 @@ class Plan:
     world: int
     adam8bit_state: int | None = None
     act_plain_bf16: Activations | None = None
+    fsdp_unit: tuple[str, int] = ("the root", 0)   # the largest unit FSDP gathers: (name, bytes)
+
+    def fsdp(self, offload: bool = False) -> int:
+        """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
+        16-bit copies exist only for the gathered unit)."""
+        return fsdp_per_rank(self.weights + self.gradients + self.optim_state, self.fsdp_unit[1], self.world, offload)
 
     @property
     def static(self) -> int:
@@ -395,6 +446,10 @@ def build_plan(cfg: DictConfig, world: int = 1, memory: int | None = None) -> Pl
                 weight_bytes(model), autocast_copy_bytes(model, dtype), gradient_bytes(model),
                 optimizer_state_bytes_of(factory, model), plain, ckpt,
                 isinstance(checkpointing, ActivationCheckpointing), chosen, memory, name, world)
+    from .engines.fsdp import BLOCKS
+    blocks = cfg.engine.get("blocks", BLOCKS) if cfg.get("engine") is not None else BLOCKS
+    name, count = max(fsdp_units(model, blocks or BLOCKS), key=lambda u: u[1])
+    plan.fsdp_unit = (name, count * (2 if dtype in (torch.bfloat16, torch.float16) else 4))
     if not isinstance(factory, lo.Adam8bit):
         plan.adam8bit_state = adam8bit_rule(model)
     if dtype is None:
@@ -461,7 +516,7 @@ def recommendations(plan: Plan) -> list[str]:
             verdict = "fits" if need <= usable else "does NOT fit"
             out.append(f"the configured micro-batch {plan.micro_batch} {verdict} ({human(need)} of {human(usable)} usable)")
         if not (isinstance(plan.micro_batch, int) and need > usable):
-            return out
+            return out + engine_choice(plan, usable)
     else:
         out.append(f"not even a micro-batch of 1 fits ({human(plan.static + plan.activations.at(1))} "
                    f"needed, {human(usable)} usable); in the guides' order:")
@@ -474,22 +529,33 @@ def recommendations(plan: Plan) -> list[str]:
     if plan.act_plain_bf16 is not None:
         out.append(f"+precision=bf16 (or fp16): activations per sample {human(plan.act_plain.per_sample)} -> "
                    f"{human(plan.act_plain_bf16.per_sample)}, at the cost of 2 bytes/param of 16-bit weight copies")
-    model_state = plan.weights + plan.gradients + min(plan.optim_state, plan.adam8bit_state or plan.optim_state)
-    if model_state > usable:
-        p, g, o = plan.zero_layout()
-        for stage, off_o, off_p in [(1, False, False), (2, False, False), (3, False, False), (2, True, False),
-                                    (3, True, False), (3, True, True)]:
-            need = zero_per_rank(p, g, o, plan.world, stage, off_o, off_p)
-            if need + plan.act_ckpt.at(1) <= usable:
-                off = " with optimizer offload" if off_o else ""
-                off += " and parameter offload" if off_p else ""
-                out.append(f"the model state alone ({human(model_state)}) does not fit: DeepSpeed ZeRO-{stage}"
-                           f"{off} over {plan.world} rank(s) needs {human(need)} per rank")
-                break
-        else:
-            out.append(f"the model state ({human(model_state)}) does not fit even with ZeRO-3 and offload over "
-                       f"{plan.world} rank(s): use more ranks (--world-size)")
+    out += engine_choice(plan, usable)
     return out
+
+
+def engine_choice(plan: Plan, usable: int) -> list[str]:
+    """DDP while the model state fits one device (one all-reduce per step, the least traffic);
+    else the first sharding that fits, least communication first: ZeRO-1/2 (parameters whole),
+    FSDP2 (everything sharded, one unit gathered at a time; about ZeRO-3's layout, PyTorch's
+    own), then offload to host memory (FSDP's engine.offload=cpu, ZeRO-Offload / -Infinity)."""
+    act = plan.act_ckpt.at(1)
+    model_state = plan.weights + plan.gradients + min(plan.optim_state, plan.adam8bit_state or plan.optim_state)
+    if model_state + act <= usable:
+        return [f"engine: the model state ({human(model_state)}) fits one device: +engine=ddp over "
+                f"{plan.world} rank(s) (every rank holds everything; one all-reduce per step)"] if plan.world > 1 else []
+    p, g, o = plan.zero_layout()
+    head = f"the model state alone ({human(model_state)}) does not fit: "
+    unit = f"(shards + the largest unit, {plan.fsdp_unit[0]}, gathered)"
+    for what, need in [("DeepSpeed ZeRO-1 (+engine=deepspeed engine.stage=1)", zero_per_rank(p, g, o, plan.world, 1)),
+                       ("DeepSpeed ZeRO-2 (+engine=deepspeed engine.stage=2)", zero_per_rank(p, g, o, plan.world, 2)),
+                       (f"+engine=fsdp {unit}", plan.fsdp()),
+                       (f"+engine=fsdp engine.offload=cpu {unit}", plan.fsdp(offload=True)),
+                       ("DeepSpeed ZeRO-2 with optimizer offload", zero_per_rank(p, g, o, plan.world, 2, True)),
+                       ("DeepSpeed ZeRO-3 with optimizer and parameter offload",
+                        zero_per_rank(p, g, o, plan.world, 3, True, True))]:
+        if need + act <= usable:
+            return [head + f"{what} over {plan.world} rank(s) needs {human(need)} per rank"]
+    return [head + f"not even FSDP / ZeRO-3 with offload over {plan.world} rank(s) fits: use more ranks (--world-size)"]
 
 
 def render(plan: Plan) -> str:
@@ -519,6 +585,9 @@ def render(plan: Plan) -> str:
         cells = [zero_per_rank(p, g, o, plan.world, stage), zero_per_rank(p, g, o, plan.world, stage, True)]
         cells.append(zero_per_rank(p, g, o, plan.world, stage, True, True) if stage == 3 else None)
         lines.append(f"  {stage:<10}" + "".join(f"{human(c) if c is not None else '-':>20}" for c in cells))
+    lines.append(f"FSDP2 (+engine=fsdp) per rank, {plan.world} rank(s): parameters, gradients and optimizer state "
+                 f"/ {plan.world} + 2 x the largest unit ({plan.fsdp_unit[0]}, {human(plan.fsdp_unit[1])}) = "
+                 f"{human(plan.fsdp())}; with engine.offload=cpu {human(plan.fsdp(offload=True))}")
     lines.append("recommendations:")
     lines += [f"  - {r}" for r in recommendations(plan)]
     return "\n".join(lines)

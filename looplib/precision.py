@@ -7,7 +7,7 @@ then at the accumulation boundary ``unscale(optimizer)`` (before clipping) and
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 
@@ -29,6 +29,10 @@ class Precision:
 
     def setup(self, device: torch.device) -> None:
         self.device = torch.device(device)
+
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Swap modules the precision computes differently (fp8: Float8Linear); others: as is."""
+        return model
 
     def autocast(self):
         return nullcontext()
@@ -92,6 +96,67 @@ class BF16(Autocast):
 
     name = "bf16"
     dtype = torch.bfloat16
+
+
+class FP8(BF16):
+    """float8 matmuls through torchao (``pip install 'looplib[fp8]'``, imported only when chosen)
+    on GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell), inside bf16 autocast.
+
+    Every ``nn.Linear`` whose input and output widths are multiples of 16 (what the fp8 matmul
+    kernels need) becomes torchao's ``Float8Linear`` (dynamic per-tensor scaling: e4m3 for
+    inputs and weights, e5m2 for gradients); the output projection (``lm_head``, sensitive and
+    often tied to the embedding) and layers listed in ``skip`` stay in bf16. Weights, optimizer
+    state and checkpoints keep their dtype and names.
+    """
+
+    name = "fp8"
+
+    def __init__(self, skip_nonfinite: bool = True, skip: list[str] | None = None,
+                 recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"):
+        super().__init__(skip_nonfinite)
+        self.skip, self.recipe = list(skip or []), recipe
+
+    def setup(self, device):
+        super().setup(device)
+        fix = "use +precision=bf16 on this device (fp8 runs on H100, L4, RTX 4090 and newer)"
+        if self.device.type != "cuda":
+            raise ConfigError("precision", f"fp8 needs a CUDA GPU of compute capability >= 8.9, not {self.device}", fix)
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
+            raise ConfigError("precision", f"fp8 needs compute capability >= 8.9; "
+                              f"{torch.cuda.get_device_name(self.device)} has {major}.{minor}", fix)
+        import_torchao_float8()
+
+    def convert(self, model):
+        return float8_training(model, self.skip, self.recipe)
+
+
+def import_torchao_float8():
+    try:
+        import torchao.float8
+    except ImportError as err:
+        raise ConfigError("precision", f"fp8 needs torchao, which does not import ({err})",
+                          "pip install 'looplib[fp8]'") from None
+    return torchao.float8
+
+
+def float8_training(model: torch.nn.Module, skip: list[str] = (), recipe: str = "tensorwise") -> torch.nn.Module:
+    """``torchao.float8.convert_to_float8_training`` on every ``nn.Linear`` whose widths are
+    multiples of 16, except the model's ``lm_head`` and modules whose names end with one in
+    ``skip``. Converts in place (no device needed); returns the model."""
+    float8 = import_torchao_float8()
+    head = getattr(model, "lm_head", None)
+    heads = {id(head)} | {id(m) for name, m in model.named_modules() if name.split(".")[-1] in ("lm_head", "head")}
+
+    def wanted(module: torch.nn.Module, fqn: str) -> bool:
+        if not isinstance(module, torch.nn.Linear) or id(module) in heads:
+            return False
+        if any(fqn == s or fqn.endswith("." + s) for s in skip):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return float8.convert_to_float8_training(model, config=config, module_filter_fn=wanted)
 
 
 class FP16(Autocast):

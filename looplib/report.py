@@ -8,6 +8,12 @@ directory, or ``--out``. The overrides every job shares are printed once above t
 the ones that vary become its first columns, so a sweep over precisions and optimizers
 reads like the efficiency guides' tables. matplotlib is imported only to draw the chart
 (``pip install 'looplib[report]'``; without it the table and CSV are still written).
+
+Throughput is the median over the job's logged intervals after the first, with the lowest
+and highest beside it, so noise is visible. Peak memory is the job's own (looplib resets
+the peaks when a job starts; the first metrics row says what the figure measures, and the
+report repeats it). The chart draws each figure as a point with its range on an axis that
+starts near the data, and a panel of training and held-out loss against step for every job.
 """
 from __future__ import annotations
 
@@ -24,9 +30,16 @@ METRICS = [  # column, header, how to format it
     ("steps", "steps", "{:d}"),
     ("final_loss", "final loss", "{:.4f}"),
     ("eval_loss", "eval loss", "{:.4f}"),
+    ("eval_accuracy", "eval accuracy", "{:.4f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("tokens_per_s_min", "tokens/s min", "{:,.0f}"),
+    ("tokens_per_s_max", "tokens/s max", "{:,.0f}"),
+    ("sequences_per_s", "sequences/s", "{:,.1f}"),  # classification runs count sequences, not tokens
+    ("sequences_per_s_min", "sequences/s min", "{:,.1f}"),
+    ("sequences_per_s_max", "sequences/s max", "{:,.1f}"),
     ("samples_per_s", "samples/s", "{:,.2f}"),
     ("peak_mem_mb", "peak memory MB", "{:,.0f}"),
+    ("mem_rise_mb", "rise in job MB", "{:,.1f}"),
     ("skipped_steps", "skipped steps", "{:d}"),
 ]
 
@@ -37,6 +50,8 @@ class Job:
     overrides: dict[str, str]
     metrics: dict[str, float | int | None] = field(default_factory=dict)
     status: str = "ok"
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # loss / eval_loss against step
+    memory: str | None = None  # what peak_mem_mb measures, from the job's first row
 
 
 def read_overrides(path: Path) -> dict[str, str]:
@@ -53,22 +68,33 @@ def read_overrides(path: Path) -> dict[str, str]:
 
 def summarise(rows: list[dict]) -> dict:
     """Final metrics of one run. Throughput is the median over logged intervals after the
-    first (which pays for warm-up and, with +compile, compilation) when there are several."""
+    first (which pays for warm-up and, with +compile, compilation) when there are several,
+    with the lowest and highest of the same intervals."""
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
+    accuracy = [r for r in rows if "eval_accuracy" in r]
     steady = train[1:] or train
 
+    def values(key):
+        return [r[key] for r in steady if r.get(key) is not None]
+
     def median(key):
-        values = [r[key] for r in steady if r.get(key) is not None]
-        return statistics.median(values) if values else None
+        return statistics.median(values(key)) if values(key) else None
+
+    peak = max((r.get("peak_mem_mb", 0) for r in train), default=None)
+    start = next((r["mem_at_start_mb"] for r in train if "mem_at_start_mb" in r), None)
 
     return {
         "steps": train[-1]["step"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": median("tokens_per_s"),
+        "eval_accuracy": accuracy[-1]["eval_accuracy"] if accuracy else None,
+        **{f"{unit}_per_s{end}": f(f"{unit}_per_s") for unit in ("tokens", "sequences")
+           for end, f in (("", median), ("_min", lambda k: min(values(k), default=None)),
+                          ("_max", lambda k: max(values(k), default=None)))},
         "samples_per_s": median("samples_per_s"),
-        "peak_mem_mb": max((r.get("peak_mem_mb", 0) for r in train), default=None),
+        "peak_mem_mb": peak,
+        "mem_rise_mb": peak - start if peak is not None and start is not None else None,
         "skipped_steps": train[-1].get("skipped_steps") if train else None,
     }
 
@@ -84,6 +110,8 @@ def collect(sweep: Path) -> list[Job]:
             job.status = "no metrics (failed or still running)"
         else:
             job.metrics = summarise(rows)
+            job.curves = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in ("loss", "eval_loss")}
+            job.memory = next((r["peak_mem_measures"] for r in rows if "peak_mem_measures" in r), None)
         jobs.append(job)
     return jobs
 
@@ -110,15 +138,21 @@ def fmt(value, pattern: str) -> str:
         return str(value)
 
 
+def shown(jobs: list[Job]) -> list[tuple[str, str, str]]:
+    """The metric columns some job has a value for (no accuracy column in a language-model sweep)."""
+    return [m for m in METRICS if any(job.metrics.get(m[0]) is not None for job in jobs)] or METRICS
+
+
 def table(jobs: list[Job]) -> tuple[list[str], list[list[str]], list[list]]:
     """Header, formatted cells (markdown), raw cells (CSV)."""
     varying, _ = split_overrides(jobs)
-    header = ["job", *varying, *(h for _, h, _ in METRICS), "status"]
+    columns = shown(jobs)
+    header = ["job", *varying, *(h for _, h, _ in columns), "status"]
     cells, raw = [], []
     for job in jobs:
-        values = [job.metrics.get(k) for k, _, _ in METRICS]
+        values = [job.metrics.get(k) for k, _, _ in columns]
         cells.append([job.name, *(job.overrides.get(k, "") for k in varying),
-                      *(fmt(v, p) for v, (_, _, p) in zip(values, METRICS)), job.status])
+                      *(fmt(v, p) for v, (_, _, p) in zip(values, columns)), job.status])
         raw.append([job.name, *(job.overrides.get(k, "") for k in varying), *values, job.status])
     return header, cells, raw
 
@@ -132,6 +166,20 @@ def markdown(jobs: list[Job], sweep: Path) -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+    unit = "tokens" if any(job.metrics.get("tokens_per_s") is not None for job in jobs) else "sequences"
+    lines += ["", f"{unit}/s: the median over each job's logged intervals after the first (warm-up); "
+              "min and max: the lowest and highest of the same intervals."]
+    measures: dict[str, list[str]] = {}
+    for job in jobs:
+        if job.metrics:
+            measures.setdefault(job.memory or "not recorded (metrics written before looplib said what it "
+                                "measures: possibly the process's peak, rising in job order)", []).append(job.name)
+    for text, names in measures.items():
+        who = "every job" if len(measures) == 1 else "jobs " + ", ".join(names)
+        lines.append(f"peak memory MB ({who}): {text}.")
+    if any(job.metrics.get("mem_rise_mb") is not None for job in jobs):
+        lines.append("rise in job MB: the peak minus the same measure when the job's training began (after "
+                     "its model was built): what its training and evaluation added.")
     return "\n".join(lines) + "\n"
 
 
@@ -148,26 +196,96 @@ def label(job: Job, varying: list[str]) -> str:
     return "\n".join(f"{k.lstrip('+')}={job.overrides.get(k, '')}" for k in varying) or job.name
 
 
-def chart(jobs: list[Job], path: Path) -> None:
-    """Three bar panels (tokens/s, peak memory, final loss), one bar per job. Agg backend."""
+def chart(jobs: list[Job], path: Path) -> dict:
+    """One point per job for throughput (with its min-max range), peak memory, final losses and,
+    in classification sweeps, accuracy, on axes that start near the data; below them the loss
+    curves (training solid, held-out dashed) of every job against step. Agg backend. Returns
+    what it drew: each panel's y limits by metric, and the curves' labels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     varying, _ = split_overrides(jobs)
     labels = [label(job, varying) for job in jobs]
-    panels = [("tokens_per_s", "tokens/s (higher is better)"), ("peak_mem_mb", "peak memory MB (lower is better)"),
-              ("final_loss", "final loss")]
-    width = max(6.0, 1.1 * len(jobs))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 3.2 * len(panels)), constrained_layout=True)
-    for ax, (key, title) in zip(axes, panels):
-        values = [job.metrics.get(key) or 0 for job in jobs]
-        bars = ax.bar(range(len(jobs)), values, color="tab:blue")
-        ax.bar_label(bars, labels=[fmt(job.metrics.get(key), "{:,.3g}") for job in jobs], fontsize=8)
+    if len(set(labels)) < len(labels):  # the same overrides twice (a repeat): the job's folder tells them apart
+        labels = [f"{job.name}: {text}" for job, text in zip(jobs, labels)]
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
+    unit = "tokens" if any(job.metrics.get("tokens_per_s") is not None for job in jobs) else "sequences"
+    panels = [(f"{unit}_per_s", f"{unit}/s: median, min-max (higher is better)"),
+              ("peak_mem_mb", "peak memory MB, this job's own (lower is better)"),
+              ("final_loss", "final loss: training o, held-out x")]
+    if any(job.metrics.get("eval_accuracy") is not None for job in jobs):
+        panels.append(("eval_accuracy", "held-out accuracy (higher is better)"))
+    width = max(8.0, 1.0 * len(jobs) + 3)
+    fig = plt.figure(figsize=(width, 3.0 * len(panels) + 4.5), constrained_layout=True)
+    grid = fig.add_gridspec(len(panels) + 2, 1)
+    ticks = FuncFormatter(lambda v, _: plain(v, tick=True))  # 6.21, 1250: no offsets, no scientific notation
+    x = list(range(len(jobs)))
+    drawn: dict = {"ylim": {}, "curves": []}
+    for row, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(grid[row, 0])
+        points = [(i, job.metrics.get(key)) for i, job in enumerate(jobs) if job.metrics.get(key) is not None]
+        for i, value in points:
+            ax.plot(i, value, "o", color=colors[i], markersize=7)
+            ax.annotate(plain(value), (i, value), textcoords="offset points", xytext=(8, 0),
+                        va="center", fontsize=8)
+        spread = list(points)
+        if key == f"{unit}_per_s":  # the range over the job's logged intervals
+            for i, job in enumerate(jobs):
+                lo, hi = job.metrics.get(f"{key}_min"), job.metrics.get(f"{key}_max")
+                if lo is not None and hi is not None:
+                    ax.vlines(i, lo, hi, color=colors[i], linewidth=2, alpha=0.6)
+                    spread += [(i, lo), (i, hi)]
+        if key == "final_loss":
+            for i, job in enumerate(jobs):
+                if job.metrics.get("eval_loss") is not None:
+                    ax.plot(i, job.metrics["eval_loss"], "x", color=colors[i], markersize=8)
+                    spread.append((i, job.metrics["eval_loss"]))
+        near_data(ax, [v for _, v in spread])
+        ax.yaxis.set_major_formatter(ticks)
         ax.set_title(title, fontsize=10)
-        ax.set_xticks(range(len(jobs)), labels, fontsize=8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_xlim(-0.5, len(jobs) - 0.5)
+        ax.grid(axis="y", alpha=0.3)
+        drawn["ylim"][key] = ax.get_ylim()
+    ax = fig.add_subplot(grid[len(panels):, 0])
+    for i, job in enumerate(jobs):
+        name = labels[i].replace("\n", " ")
+        if job.curves.get("loss"):
+            ax.plot(*zip(*job.curves["loss"]), "-", color=colors[i], label=f"{name} (training)")
+        if job.curves.get("eval_loss"):
+            ax.plot(*zip(*job.curves["eval_loss"]), "--o", color=colors[i], markersize=4, label=f"{name} (held-out)")
+    ax.set_title("loss against step: training solid, held-out dashed", fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_formatter(ticks)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2 if len(jobs) > 4 else 1, loc="best")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    drawn["curves"] = [line.get_label() for line in ax.lines]
+    return drawn
+
+
+def plain(value: float, tick: bool = False) -> str:
+    """Numbers as people write them: 12250 and 470 (no 1.225e+04; no thousands comma, which small
+    chart type makes look like a decimal point), 6.2655, 0.75."""
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if tick:
+        return f"{value:.6g}"
+    return f"{value:.4f}" if abs(value) >= 1 else f"{value:.4g}"
+
+
+def near_data(ax, values: list[float]) -> None:
+    """A y axis that starts near the data, not at zero: 6.21 and 6.36 must look different."""
+    if not values:
+        return
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.15 or abs(hi) * 0.05 or 1.0
+    ax.set_ylim(max(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)  # never below zero for counts
 
 
 def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:

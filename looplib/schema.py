@@ -15,7 +15,7 @@ nan are refused in every float setting). The vocabulary is plain ``typing``: ``i
 ``Seed`` name the common ranges. Anything else (a class of your own) is taken as it is.
 
 A class whose constructor takes ``**kwargs`` accepts any further key, unless it says which
-with a classmethod ``extra_keys(options) -> set of names`` (``looplib.hf.CausalLM`` does).
+with a classmethod ``extra_keys(options) -> set of names``, or checks them itself (``looplib.hf``).
 Values are not converted: ``lr='1e-3'`` (a quoted string) is refused, not guessed at.
 This module imports neither Hydra nor OmegaConf; it works on plain values.
 """
@@ -178,7 +178,8 @@ def describe(hint: Any, plural: bool = False) -> str:
         members = [a for a in args if a is not type(None)]
         choices = [c for a in members if typing.get_origin(a) is Literal for c in typing.get_args(a)]
         choices += [c for a in members if a is bool for c in (True, False)]
-        others = [describe(a, plural) for a in members if typing.get_origin(a) is not Literal and a is not bool]
+        others = list(dict.fromkeys(describe(a, plural) for a in members  # list[str] | tuple[str, ...]: said once
+                                    if typing.get_origin(a) is not Literal and a is not bool))
         words = others + ([("one of " if not others else "") + describe_choices(choices)] if choices else [])
         return " or ".join(words) + (" (or null)" if type(None) in args else "")
     if origin is Literal:
@@ -292,7 +293,7 @@ def check_options(prefix: str, target: Any, options: dict, said: str = "") -> No
         if allowed is not None and key not in allowed:
             refuse_unknown(prefix, key, options[key], sorted(allowed), owner)
     for p in params.values():
-        if p.required and p.name not in options:
+        if p.required and p.name not in options and not options.get("_partial_"):  # a partial gets the rest later
             raise ConfigError(f"{prefix}{p.name}", f"{owner or 'the config'} needs {p.name}",
                               f"add +{prefix}{p.name}=VALUE")
     for key in names:
@@ -316,13 +317,15 @@ def check_options(prefix: str, target: Any, options: dict, said: str = "") -> No
 
 def advice(key: str, p: Param) -> str:
     text = f"use {describe(p.hint)}"
-    if not p.required and not isinstance(p.default, (dict, set)):
+    if not p.required and not isinstance(p.default, (dict, set)) and p.default not in ((), [], ""):
         text += f", e.g. {key}={cli(p.default)} (the default)"
     return text
 
 
 def cli(value: Any) -> str:
-    """A value as typed after ``key=`` on the command line."""
+    """A value as typed after ``key=`` on the command line (strings unquoted)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(cli(v) for v in value) + "]"
     return value if isinstance(value, str) else show(value)
 
 
@@ -334,5 +337,5 @@ def refuse_unknown(prefix: str, key: str, value: Any, known: list[str], owner: s
         example = "" if isinstance(value, dict) else f" (e.g. {prefix}{close[0]}={cli(value)})"
         fix = f"did you mean {prefix}{close[0]}?{example}"
     else:
-        fix = f"remove it; the keys{of} are: {', '.join(known)}" if known else "remove it"
+        fix = f"remove it; {'its' if owner else 'the'} keys are: {', '.join(known)}" if known else "remove it"
     raise ConfigError(f"{prefix}{key}", f"{prefix}{key} is not a setting{of}", fix)

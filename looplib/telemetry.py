@@ -5,8 +5,10 @@ as a device tensor and read (``.item()``, a host-device sync) once per ``log_eve
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
-import json
+import gc
 import logging
 import math
 import resource
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .loggers import JsonLines, Logger, Run
 
 log = logging.getLogger("looplib")
 
@@ -28,6 +32,32 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def host_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> str:
+    """Start this job's memory peaks: a sweep (``-m``) runs its jobs one after another in one
+    process, where a process-wide peak only ever rises in job order. Returns what
+    ``peak_mem_mb`` then measures, in words (the first row of metrics.jsonl carries it, with
+    ``mem_at_start_mb``: the same measure's value at the reset, so peak minus it is the job's rise)."""
+    gc.collect()  # the previous job's objects, then its freed heap pages back to the OS (glibc keeps
+    try:          # them otherwise, and this job would start from the last one's peak and reuse them unseen)
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:  # Linux: "5" resets the peak RSS (VmHWM, and getrusage's ru_maxrss) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+        host = True
+    except OSError:
+        host = False
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return ("GPU memory allocated by torch tensors, peak during this job (torch.cuda.max_memory_allocated; "
+                "without the CUDA context and the allocator's cached blocks)")
+    if host:
+        return ("process resident memory (RSS), peak during this job (the peak is reset when the job starts, "
+                "after freed memory is handed back to the OS; it includes what the process still holds: Python, "
+                "torch, the libraries, the job's model)")
+    return "process resident memory (RSS), peak since the process began (could not be reset per job)"
 
 
 def device_uuid(device: torch.device) -> str | None:
@@ -80,7 +110,7 @@ def peak_flops(device: torch.device, precision: str, given_tflops: float | None 
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    column = {"bf16": 0, "fp16": 0, "tf32": 1}.get(precision, 2)
+    column = {"bf16": 0, "fp16": 0, "fp8": 0, "tf32": 1}.get(precision, 2)  # fp8: MFU against the bf16 peak
     for fragment, peaks in PEAK_TFLOPS.items():
         if fragment in name:
             return peaks[column] * 1e12
@@ -91,18 +121,30 @@ class Telemetry:
     # Multi-process engines set this to their mean over ranks. A collective: every rank's
     # Telemetry (writing or not) reaches _log at the same steps.
     reduce_loss = staticmethod(lambda loss: loss)
+    items = "tokens"   # what the objective counts (classification: sequences): <items>_per_s
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
-                 flops_per_sample: float | None = None, peak_flops: float | None = None):
+                 flops_per_sample: float | None = None, peak_flops: float | None = None,
+                 logger: Logger | None = None, run: Run | None = None):
+        """``logger`` (looplib.loggers): trackers that get every row too, started with ``run``
+        and finished by ``finish``/``close``; only when ``enabled`` (rank 0)."""
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
         self._data, self._wait0 = None, 0.0
         self.path, self.log_every, self.total = path, max(1, log_every), total_steps
         self.device, self.enabled = torch.device(device), enabled
-        self.file = open(path, "a", buffering=1) if (path and enabled) else None
-        self.bar = None
+        self.jsonl = JsonLines(path) if (path and enabled) else Logger()
+        self.logger = (logger or Logger()) if enabled else Logger()
+        self.logger.start(run or Run(Path(path).parent if path else Path.cwd(), {}, "run"))
+        self._finished = False
+        self.bar, self._redirect = None, contextlib.ExitStack()
         if enabled and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+            # Log lines (Hydra prints them to stdout) go above the bar, not through it.
+            consoles = [lg for lg in (logging.getLogger(), log) if any(
+                isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in lg.handlers)]
+            self._redirect.enter_context(logging_redirect_tqdm(consoles))
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         self.optimizer_steps = 0      # real optimizer updates (a skipped fp16 step is not one)
         self.boundaries = 0           # accumulation windows closed
@@ -111,6 +153,8 @@ class Telemetry:
         self._t0 = self._t_start = time.perf_counter()
         self.last_row: dict = {}
         self.resumed_from: int | None = None  # marks the first row after a resume
+        self._memory = reset_peak_memory(self.device) if enabled else None  # said once, in the first row
+        self._mem_at_start = round(peak_memory_mb(self.device), 1) if enabled else None
 
     def watch(self, optimizer: torch.optim.Optimizer, data=None) -> None:
         """Count real updates with an optimizer hook: no sync needed to know a step was skipped.
@@ -154,18 +198,21 @@ class Telemetry:
         iv = self._interval
         row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                "step_time_s": dt / iv["steps"], "samples_per_s": iv["samples"] / dt,
-               "tokens_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
+               f"{self.items}_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
                "peak_mem_mb": round(peak_memory_mb(self.device), 1),
                "elapsed_s": now - self._t_start}
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         if self.resumed_from is not None:
             row["resumed_from"], self.resumed_from = self.resumed_from, None
+        if self._memory:
+            row["peak_mem_measures"], self._memory = self._memory, None
+            row["mem_at_start_mb"] = self._mem_at_start
         row.update(self._extra(dt))
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}
-        text = f"loss {loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  mem {row['peak_mem_mb']:,.0f} MB"
+        text = f"loss {loss:.4f}  {row[self.items + '_per_s']:,.0f} {self.items[:3]}/s  mem {row['peak_mem_mb']:,.0f} MB"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
         elif self.enabled:
@@ -189,19 +236,34 @@ class Telemetry:
         return row
 
     def eval(self, step: int, loss: float) -> None:
+        metrics = getattr(loss, "metrics", None)  # a classifier's accuracy (looplib.evaluation.Scores)
+        if metrics:
+            self.write({"step": step, "eval_loss": float(loss), **metrics})
+            if self.enabled:
+                log.info("step %d: eval loss %.4f, %s", step, loss, ", ".join(
+                    f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items()))
+            return
         ppl = math.exp(loss) if loss < 50 else float("inf")
         self.write({"step": step, "eval_loss": loss, "eval_perplexity": ppl})
-        msg = f"step {step}: eval loss {loss:.4f}, perplexity {ppl:.2f}"
-        if self.enabled:
-            (self.bar.write if self.bar is not None else log.info)(msg)
+        if self.enabled:  # through logging, so train.log has it too; above the bar on a terminal
+            log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, ppl)
 
     def write(self, row: dict) -> None:
         self.last_row.update(row)
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
+        self.jsonl.log(row)
+        self.logger.log(row)
+
+    def finish(self, status: str = "finished", artefacts: dict[str, str] | None = None) -> None:
+        """End the trackers' run: ``finished``/``preempted``/``failed``, with the artefacts' paths."""
+        if not self._finished:
+            self._finished = True
+            self.logger.finish(status, artefacts or {})
 
     def close(self) -> None:
+        """Close the bar and metrics.jsonl; trackers not finished yet end as ``failed``."""
         if self.bar is not None:
             self.bar.close()
-        if self.file is not None:
-            self.file.close()
+            self.bar = None
+        self._redirect.close()
+        self.jsonl.finish("finished", {})
+        self.finish("failed")

@@ -18,9 +18,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import autobatch, rundir
+from . import autobatch, loggers, rundir
 from .accumulation import Accumulation
-from .build import Settings, blame, check_config, instantiate
+from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
@@ -50,25 +50,37 @@ class Job:
     peft: Any = None          # looplib.adapters: FullModel (null) or LoRA
     compile: Any = None       # looplib.compile: Compile (eager, null) or TorchCompile
     evaluation: Any = None    # looplib.evaluation: Evaluation (null) or HalfWeights
+    logger: Any = None        # looplib.loggers: Loggers of the +logger= choices (none: the null Logger)
 
 
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
+    trackers = loggers.build(cfg)  # +logger= choices: keys checked, libraries imported (a missing one: ConfigError)
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
     job = Job(cfg, settings, engine, precision, optim=instantiate(cfg, "optim"),
               schedule=instantiate(cfg, "schedule"), objective=instantiate(cfg, "loss"))
     engine.check(settings, precision, job.optim)
+    job.logger = trackers
     torch.manual_seed(settings.seed)
     job.peft, job.compile, job.evaluation = (instantiate(cfg, g) for g in ("peft", "compile", "evaluation"))
+    engine.check_evaluation(job.evaluation)
     job.corpus = instantiate(cfg, "data")
+    job.compile.check(job.corpus)  # CUDA graphs: fixed shapes only
     checkpointing = instantiate(cfg, "checkpointing")  # activation checkpointing (not state)
-    model = checkpointing.apply(job.peft.wrap(instantiate(cfg, "model")))
-    job.model = job.compile.wrap(engine.setup(model))  # compile last: it sees the final module
+    model = instantiate(cfg, "model")
+    getattr(model, "check_data", lambda corpus: None)(job.corpus)  # vocabulary, labels (looplib.hf)
+    check_sequences_fit(job.corpus, model)
+    model = checkpointing.apply(precision.convert(job.peft.wrap(model)))  # fp8: Float8Linear
+    job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
+        # probed eager, before compiling: probing a compiled model with several batch sizes would
+        # leave it a dynamic-shape graph (slower kernels) for the size finally chosen
         autobatch.resolve(job, reserve_bytes=optimizer_state_bytes(job, default=0))
+    job.model = job.compile.wrap(job.model)  # compile last: it sees the final module
+    job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     return job
 
 
@@ -77,12 +89,13 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = OmegaConf.to_yaml(job.cfg, resolve=True)
     loader_args = dict(OmegaConf.to_container(job.cfg.loader, resolve=True))
+    collate = getattr(job.corpus, "collate", None)  # padded data: the corpus pads each batch
     with blame("loader"):
         train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
-                             rank=engine.rank, world=engine.world_size, **loader_args)
+                             rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
-                            device=engine.device)
+                            device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
     if s.eval_batches and not eval_batches:
         log.warning("the held-out split yields no batch (%d sequences for batch_size=%d): no evaluation",
@@ -98,15 +111,20 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
                               config_yaml, engine.is_main, engine, check_every=s.log_every)
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
+    logged = loggers.logged_steps(run_dir / "metrics.jsonl") if s.resume else {}  # before resume() cuts it
     if s.resume:
         resume(checkpoints, state, s.resume, run_dir)
     if engine.is_main:
         write_atomic(run_dir / "config.yaml", config_yaml)
+        if hasattr(job.corpus, "save"):
+            job.corpus.save(run_dir)  # e.g. labels.json
     telemetry = Telemetry(run_dir / "metrics.jsonl", log_every=s.log_every, total_steps=s.max_steps,
                           device=engine.device, enabled=engine.is_main, progress=s.progress,
-                          **mfu_settings(job))
+                          **mfu_settings(job), logger=job.logger if engine.is_main else None,
+                          run=loggers.describe(job.cfg, run_dir, state.step, logged))
     telemetry.resumed_from = state.step or None
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+    telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s
     n_params = sum(p.numel() for p in job.model.parameters())
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
              "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
@@ -121,15 +139,20 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
                 eval_data=eval_batches or None, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)
             if state.preempted:
+                telemetry.finish("preempted", loggers.artefacts(run_dir))
                 report_stop(signals, state, run_dir, saved=checkpoints.root is not None, main=engine.is_main)
                 return state
             if eval_batches and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
                 telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
+            if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
+                telemetry.write({"step": state.step, **job.compile.report()})
+            # model.safetensors, or hf/ for a transformers model (every rank: ZeRO-3 gathers), or the adapter
+            job.peft.save(job.model, run_dir, engine, job.corpus)
+            telemetry.finish("finished", loggers.artefacts(run_dir))
         finally:
-            telemetry.close()
-        job.peft.save(job.model, run_dir, engine)  # model.safetensors (every rank: ZeRO-3 gathers) or the adapter
+            telemetry.close()  # trackers not finished above end as failed
         if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
             print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
@@ -198,7 +221,7 @@ def mfu_settings(job: Job) -> dict:
 
 
 def print_sample(job: Job, n_tokens: int) -> None:
-    prompt = "def "
+    prompt = job.corpus.sample_prompt() if hasattr(job.corpus, "sample_prompt") else "def "
     ids = torch.tensor([job.corpus.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
     with job.precision.autocast():

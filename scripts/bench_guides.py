@@ -60,6 +60,22 @@ ROWS = {
               {"per_device_train_batch_size": 4, "optim": "adamw_torch_fused"}),
     "compile": ("batch 4, torch.compile", ["batch_size=4", "+compile=default"],
                 {"per_device_train_batch_size": 4, "torch_compile": True}),
+    "bf16_compile": ("batch 4, bf16, fused AdamW, torch.compile",
+                     ["batch_size=4", "+precision=bf16", "+optim=adamw", "optim.impl=fused", "+compile=default"],
+                     {"per_device_train_batch_size": 4, "bf16": True, "optim": "adamw_torch_fused",
+                      "torch_compile": True}),
+    "cuda_graphs": ("batch 4, bf16, fused AdamW, CUDA graphs (reduce-overhead)",
+                    ["batch_size=4", "+precision=bf16", "+optim=adamw", "optim.impl=fused", "+compile=reduce_overhead"],
+                    None),
+    "fp8": ("batch 4, fp8 matmuls (torchao), fused AdamW, torch.compile",
+            ["batch_size=4", "+precision=fp8", "+optim=adamw", "optim.impl=fused", "+compile=default"], None),
+    "adam8bit_nosync": ("batch 4, 8-bit Adam, no inf/NaN step check (no per-step sync)",
+                        ["batch_size=4", "+optim=adam8bit", "+precision=fp32", "precision.skip_nonfinite=false"], None),
+    "adam8bit_ao": ("batch 4, torchao 8-bit AdamW (compiled step)", ["batch_size=4", "+optim=adam8bit_ao"], None),
+    "fastest": ("fastest configuration looplib finds: bf16, fused AdamW, compiled model and loss, "
+                "largest micro-batch (auto, global 32)",
+                ["batch_size=auto", "global_batch_size=32", "+precision=bf16", "+optim=adamw", "optim.impl=fused",
+                 "+compile=default", "compile.loss=true"], None),
     "zero2_offload": ("batch 4, DeepSpeed ZeRO-2, optimizer on CPU",
                       ["batch_size=4", "+engine=deepspeed", "engine.stage=2", "engine.offload_optimizer=cpu",
                        "+optim=cpu_adam"], None),
@@ -68,11 +84,19 @@ TRAINER_SKIP = {  # why a row has no Trainer twin
     "checkpointing": "Trainer's gradient_checkpointing needs a transformers model "
                      "(gradient_checkpointing_enable); the BertClassifier is plain PyTorch",
     "zero2_offload": "Trainer's DeepSpeed path needs the deepspeed launcher and its own JSON config",
+    "cuda_graphs": "Trainer has no CUDA-graph option (torch_compile_mode is passed through, but not measured here)",
+    "fp8": "Trainer's fp8 goes through Accelerate/TransformerEngine, not torchao",
+    "adam8bit_nosync": "Trainer always checks for inf/NaN the same way; this row measures looplib's check",
+    "adam8bit_ao": "Trainer's torchao optimizers are 4-bit and 8-bit AdamW via optim=adamw_torch_4bit/8bit; "
+                   "not wired here",
+    "fastest": "a looplib search (batch_size=auto); the Trainer's twins are the bf16, fused and compile rows",
     **{row: "needs gradient checkpointing (see that row)" for row in ("fp16_all", "adafactor_all", "adam8bit_all")},
 }
 CPU_SKIP = {
     "tf32": "TF32 is a CUDA tensor-core mode: on a CPU it is the fp32 vanilla row",
     "zero2_offload": "ZeRO-Offload moves optimizer state from the GPU to the CPU: nothing to offload on a CPU",
+    "cuda_graphs": "CUDA graphs need a CUDA device (looplib refuses +compile=reduce_overhead on a CPU)",
+    "fp8": "fp8 matmuls need a GPU of compute capability >= 8.9 (looplib refuses +precision=fp8 elsewhere)",
 }
 # The guides' figures (bert-large-uncased, V100 16 GB, one epoch): samples/s, GPU memory MB (NVML).
 REFERENCE_V100 = {

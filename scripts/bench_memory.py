@@ -41,10 +41,13 @@ GPU_JOB = ["model=bert_large", "data=classification", "loss=classification", "da
 SMALL_JOB = ["model=bert_tiny", "data=classification", "loss=classification", "data.vocab_size=1024", "lr=1e-4"]
 
 
-def run_row(name: str, overrides: list[str], job: list[str], steps: int, device: str, out: Path) -> dict:
+def run_row(name: str, overrides: list[str], job: list[str], steps: int, device: str, out: Path,
+            launcher: tuple[str, ...] = ()) -> dict:
+    """One training process (``launcher``: e.g. torchrun's arguments, for several); rank 0's figures."""
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
-    args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={steps}", f"device={device}",
+    module = [*launcher, "-m", "looplib.train"] if launcher else ["-m", "looplib.train"]
+    args = [sys.executable, *module, *job, *overrides, f"max_steps={steps}", f"device={device}",
             "log_every=1", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",
             "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()

@@ -259,6 +259,7 @@ def main() -> int:
                 out = subprocess.run(worker_cmd(args, which, model), capture_output=True, text=True, check=True)
                 runs[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
         results[model] = summarise(runs)
+        write(results, args)  # after every model: a run cut short keeps what it measured
     write(results, args)
     return 0
 

@@ -4,7 +4,20 @@
 #     bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]
 #
 # PARTS: check mfu overhead tests guides guides_compile tests_ds engines speed (default: all, in
-# that order). AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
+# that order), and issue 15's (speed to the limit; not in the default list, name them):
+#   speed_mfu      GPT-2 small ladder, part 1: eager -> padded vocab -> compile -> loss compiled -> chunked loss
+#                  target: >= 460,000 tokens/s in the best row (bench_mfu.py; rows written as they finish)
+#   speed_mfu2     part 2: Liger loss, max-autotune, CUDA graphs, largest micro-batch (auto), fp8
+#   speed_loss     chunked / Liger / plain loss + backward at 8192 tokens x 50,257 (memory, time, agreement)
+#   speed_guides   BERT-large: vanilla, fused, bf16, 8-bit Adam (bitsandbytes with and without the per-step
+#                  inf/NaN sync; torchao's compiled AdamW8bit), and the fastest configuration looplib finds (bf16, fused, compiled model and
+#                  loss, batch_size=auto with global batch 32).
+#                  targets: fastest >= 315 samples/s; adam8bit >= 0.95x fused (same batch 4)
+#   speed_guides2  BERT-large, batch 4: bf16 + fused + compile, + CUDA graphs, fp8 + compile
+#   speed_overhead overhead vs the hand-written loop, bf16, 5 pairs, tiny and default models.
+#                  target: <= 1.01x median step, 0 syncs on non-logging steps
+#   speed_profile  torch.profiler traces of one GPT-2 small step, eager and best-known compiled
+#   speed_tests    the GPU tests of issue 15's options (fp8 and CUDA graphs run, chunked loss in bf16) AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
 # hangs costs only itself. Optional packages missing on the machine (bitsandbytes, deepspeed,
@@ -63,6 +76,26 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
         --out "$results/guides_compile" ;;
     engines) part engines 300 $py scripts/bench_engines.py --steps 30 --out "$results/engines" ;;
     speed) part speed 300 $py scripts/bench_speed.py ;;
-    *) echo "unknown part $p (choose from: $all)"; exit 2 ;;
+    speed_mfu) part speed_mfu 560 $py scripts/bench_mfu.py --rows eager,pad_vocab,compile,compile_loss,chunked \
+        --out "$results/speed_mfu" ;;
+    speed_mfu2) part speed_mfu2 560 $py scripts/bench_mfu.py --rows compile,liger,max_autotune,reduce_overhead,batch_auto,fp8 \
+        --out "$results/speed_mfu2" ;;
+    speed_loss) part speed_loss 240 $py scripts/bench_loss.py --device cuda --tokens 8192 --dtype bf16 --repeats 5 \
+        --out "$results/speed_loss" ;;
+    speed_guides) part speed_guides 560 $py scripts/bench_guides.py \
+        --rows vanilla,fused,adam8bit,adam8bit_nosync,adam8bit_ao,bf16,fastest --trainer-rows none \
+        --out "$results/speed_guides" ;;
+    speed_guides2) part speed_guides2 560 $py scripts/bench_guides.py --rows vanilla,bf16_compile,cuda_graphs,fp8 \
+        --trainer-rows bf16_compile --out "$results/speed_guides2" ;;
+    speed_overhead) part speed_overhead 560 $py scripts/bench_overhead.py --device cuda --precision bf16 --pairs 5 \
+        --models tiny,default --steps 150 --warmup 10 --out "$results/speed_overhead" ;;
+    speed_profile) part speed_profile 400 bash -c "$py scripts/profile_step.py --out $results/speed_profile/eager \
+-- model=gpt2_small data=random data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused; \
+$py scripts/profile_step.py --out $results/speed_profile/compiled -- model=gpt2_small data=random \
+data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused model.pad_vocab_to=64 \
++compile=default compile.loss=true" ;;
+    speed_tests) part speed_tests 400 $py -m pytest -q -rs -p no:cacheprovider tests/test_speed.py -k gpu ;;
+    *) echo "unknown part $p (choose from: $all speed_mfu speed_mfu2 speed_loss speed_guides speed_overhead \
+speed_guides2 speed_profile speed_tests)"; exit 2 ;;
     esac
 done

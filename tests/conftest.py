@@ -45,3 +45,28 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "loopl
 def token_cache(tmp_path_factory) -> str:
     """One tokenizer cache for every CLI test of the session."""
     return str(os.environ.get("LOOPLIB_CACHE") or tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory) -> Path:
+    """A pretrained Hugging Face directory (a tiny Llama + its BPE tokenizer), made once, offline."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'looplib[hf]')")
+    from looplib.make_tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("pretrained") / "tiny-llama", vocab_size=384, hidden_size=32,
+                           layers=2, max_positions=64, max_bytes=100_000)
+
+
+TRACKED_SWEEP = ["-m", "+optim=adamw,sgd", "+logger=[tensorboard,mlflow,wandb]", "data=random", "batch_size=2",
+                 "model.n_layer=1", "log_every=1", "max_steps=4", "eval_every=2", "eval_batches=1", "sample_tokens=0"]
+
+
+@pytest.fixture(scope="session")
+def tracked_sweep(tmp_path_factory) -> Path:
+    """A two-job sweep (+optim=adamw,sgd) with every tracker: tests/test_loggers.py reads the
+    trackers back, tests/test_report.py reports on it (one sweep for both: CI time)."""
+    for module in ("tensorboard", "mlflow", "wandb"):
+        pytest.importorskip(module)
+    root = tmp_path_factory.mktemp("tracked_sweep")
+    r = run_cli(*TRACKED_SWEEP, f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    return root / "sweep"

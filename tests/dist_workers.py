@@ -55,12 +55,13 @@ class Rows(Telemetry):
     def __init__(self, engine):
         super().__init__(log_every=1, enabled=False)
         self.reduce_loss = engine.mean_across_ranks
-        self.losses = []
+        self.losses, self.grad_norms = [], []
 
     def write(self, row):
         super().write(row)
         if "loss" in row:
             self.losses.append(row["loss"])
+            self.grad_norms.append(row.get("grad_norm"))
 
 
 def train(engine: Engine, model, optimizer, scheduler, precision, max_grad_norm, epochs, steps, state=None):
@@ -162,3 +163,76 @@ def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[in
             }
     if rank == 0:
         (Path(out) / "deepspeed.json").write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------ FSDP2
+
+def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """DDP and FSDP on the same data in the same processes; FSDP's reduce-scatters counted."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+    from looplib.engines.fsdp import FSDP
+    set_env(rank, world, port)
+    ddp = DDP("cpu", bucket_cap_mb=100)
+    model = ddp.setup(tiny_gpt())
+    optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    _, telemetry = train(ddp, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(rank, world)), STEPS)
+    ddp_losses, ddp_norms = telemetry.losses, telemetry.grad_norms
+    ddp_weights = {k: v.detach().clone() for k, v in ddp.unwrap(model).state_dict().items()}
+
+    calls = [0]
+    reduce = group.foreach_reduce
+
+    def counting(*args, **kwargs):  # one call per FSDP unit whose gradients are reduce-scattered
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    group.foreach_reduce = counting
+    engine = FSDP("cpu")
+    engine.check(settings(world), FP32(), AdamW(lr=LR, weight_decay=0.1))
+    model = engine.setup(tiny_gpt())
+    optimizer = AdamW(lr=LR, weight_decay=0.1, impl="fused").build(model)  # fused AdamW on DTensors
+    scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+    p = engine.prepare(model, optimizer, FP32(), settings(world))
+    _, telemetry = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm,
+                         Epochs(loader(rank, world)), STEPS)
+    weights = engine.full_weights(p.model)
+    export = Path(out) / "fsdp.safetensors"
+    engine.export_weights(p.model, export)
+    group.foreach_reduce = reduce
+    skipped = fp16_overflow_on_one_rank(rank)
+    if rank == 0:
+        from safetensors.torch import load_file
+        torch.save({"losses": telemetry.losses, "weights": weights, "ddp_losses": ddp_losses,
+                    "grad_norms": telemetry.grad_norms, "ddp_grad_norms": ddp_norms,
+                    "ddp_weights": ddp_weights, "reduce_calls": calls[0], "units": engine.units,
+                    "steps": telemetry.optimizer_steps, "export": load_file(export), "fp16": skipped},
+                   Path(out) / "fsdp.pt")
+    engine.close()
+
+
+def fp16_overflow_on_one_rank(rank: int) -> dict:
+    """fp16 under FSDP: an inf in rank 1's gradient shard only. The scaler's inf check is agreed
+    across ranks, so *every* rank skips the update and halves the scale (a per-rank check would
+    let rank 0 step on its shards alone). The loop's verbs, one window."""
+    from looplib.engines.fsdp import FSDP
+    from looplib.loop import clip_grad_norm
+    from looplib.precision import FP16
+    engine, precision = FSDP("cpu"), FP16(init_scale=2.0**10)
+    precision.setup("cpu")
+    engine.check(settings(2), precision, None)
+    model = engine.setup(tiny_gpt())
+    p = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, settings(2))
+    batch = random_tokens(2)[rank]
+    before = [t.detach().to_local().clone() for t in model.parameters()]
+    with p.precision.autocast():
+        loss = TokenCrossEntropy()(p.model, {k: v[None] for k, v in batch.items()})
+    p.precision.backward(loss)
+    if rank == 1:
+        next(iter(model.parameters())).grad.to_local().fill_(float("inf"))
+    p.precision.unscale(p.optimizer)
+    norm = clip_grad_norm(list(p.model.parameters()), CLIP)
+    p.precision.step(p.optimizer, norm)
+    return {"scaler": type(p.precision.scaler).__name__, "scale": p.precision.scaler.get_scale(),
+            "param_dtype": str(engine.mp_policy.param_dtype), "norm": float(norm),
+            "unchanged": all(torch.equal(a, t.detach().to_local()) for a, t in zip(before, model.parameters()))}

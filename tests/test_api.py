@@ -1,5 +1,6 @@
 """The loop without Hydra: train_model builds what the CLI builds, and a script that uses it
 never imports Hydra or OmegaConf."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,8 @@ result = train_model(model, data, max_steps=30, batch_size=8, accum_steps=2, pre
 print(first, result.eval_loss)
 assert result.eval_loss < first - 0.2, (first, result.eval_loss)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("hydra", "omegaconf", "peft", "transformers",
-                                                              "matplotlib", "bitsandbytes"))
+                                                              "matplotlib", "bitsandbytes", "tensorboard",
+                                                              "mlflow", "wandb"))
 assert not heavy, heavy
 print("ok")
 """
@@ -70,6 +72,17 @@ def test_a_script_trains_without_importing_hydra(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok")
+    # it speaks like the CLI: no logging configured, so looplib's handler prints its lines (not a terminal: lines)
+    assert "[looplib] step 30/30  loss " in r.stderr and "[looplib] step 30: eval loss " in r.stderr, r.stderr
+
+
+def test_metrics_never_appends_to_another_runs_file(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 99, "loss": 1.0}\n')
+    train_model(tiny_gpt(), random_tokens(n=8), max_steps=2, batch_size=4, metrics=path, log_every=1, device="cpu")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "held an earlier run's rows: starting it afresh" in caplog.text
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch):

@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, gpu
+from conftest import REPO, gpu, has_bitsandbytes as has_bnb
 
 
 def bench(script, *args, cwd):
@@ -58,18 +59,24 @@ def test_guides_rejects_an_unknown_row(tmp_path):
 
 
 def test_mfu_small_mode_writes_table_and_json(tmp_path):
-    out = bench("bench_mfu.py", "--small", "--rows", "fp32", "--steps", "2", "--warmup", "1", "--out",
+    # fp32 (the first row), the chunked loss (a new row that runs on a CPU), fp8 (refused on a CPU)
+    out = bench("bench_mfu.py", "--small", "--rows", "fp32,chunked,fp8", "--steps", "2", "--warmup", "1", "--out",
                 str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "mfu_bench.md").read_text().splitlines()
     assert table[0].startswith("### tiny GPT") and "CPU" in table[0]
-    assert table[2] == "| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |"
-    assert table[4].startswith("| fp32, foreach AdamW, SDPA |") and table[4].endswith("% |")
-    (row,) = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
-    assert row["steps"] == 2 and row["peak_dtype"] == "float32"
-    assert row["tokens_per_s"] > 0 and row["peak_tflops"] > 0
+    assert table[2].startswith("| run | tokens/s | x first row | model TFLOP/s | measured peak TFLOP/s | MFU |")
+    assert table[2].endswith("| micro-batch | peak MB | first step s | compile s | loss at end |")
+    assert table[4].startswith("| fp32, foreach AdamW, SDPA |") and "%" in table[4]
+    assert table[6].startswith("| fp8 matmuls (torchao) | refused: precision: fp8 needs a CUDA GPU")
+    fp32, chunked, fp8 = json.loads((tmp_path / "mfu_bench.json").read_text())["rows"]
+    assert fp32["steps"] == 2 and fp32["peak_dtype"] == "float32" and fp32["micro_batch"] == "8"
+    assert fp32["tokens_per_s"] > 0 and fp32["peak_tflops"] > 0 and fp32["compile_s"] is None
     # MFU is the model's FLOP rate over the measured peak the run was given
-    assert abs(row["mfu"] - row["tflops"] / row["peak_tflops"]) < 0.05 * row["mfu"]
+    assert abs(fp32["mfu"] - fp32["tflops"] / fp32["peak_tflops"]) < 0.05 * fp32["mfu"]
+    # the chunked loss trains exactly like the plain one (same seed, same data): same losses
+    assert "loss=lm_chunked" in chunked["overrides"] and chunked["final_loss"] == pytest.approx(fp32["final_loss"], abs=1e-4)
+    assert fp8["status"] == "refused" and "compute capability >= 8.9" in fp8["reason"]
 
 
 @gpu
@@ -123,3 +130,39 @@ def test_engines_small_mode_writes_table_json_and_chart(tmp_path):
     assert "+engine=deepspeed" in data["rows"][1]["overrides"]
     assert (tmp_path / "engines_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "runs" / "local" / "model.safetensors").exists()  # bench rows keep no weights
+
+
+def test_every_benchmark_row_composes_and_its_strategies_build():
+    """Each row of bench_mfu.py (GPU and CPU) and bench_guides.py is a valid command line: Hydra
+    composes it and every strategy group and the loss build (models are not built: GPT-2 small and
+    BERT-large would cost seconds). GPU-only options may only be refused for want of a GPU."""
+    from hydra import compose, initialize_config_module
+
+    from looplib.build import STRATEGY_DEFAULTS, check_settings, fill_strategy_defaults, instantiate
+    from looplib.errors import ConfigError
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_guides
+    import bench_mfu
+    tables = [(bench_mfu.GPU_JOB, {k: v[1] for k, v in bench_mfu.GPU_ROWS.items()}),
+              (bench_mfu.SMALL_JOB, {k: v[1] for k, v in bench_mfu.CPU_ROWS.items()}),
+              (bench_guides.GPU_JOB, {k: [o.format(half="fp16") for o in v[1]] for k, v in bench_guides.ROWS.items()})]
+    built = 0
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        for job, rows in tables:
+            for name, overrides in rows.items():
+                cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
+                check_settings(cfg)
+                fill_strategy_defaults(cfg)
+                for group in (*STRATEGY_DEFAULTS, "loss"):
+                    if group == "engine" and "deepspeed" in cfg.engine._target_:
+                        continue  # DeepSpeed's engine needs a launcher's environment
+                    if group == "optim" and "Adam8bit" in cfg.optim._target_ and not has_bnb():
+                        continue
+                    try:
+                        obj = instantiate(cfg, group)
+                        if group == "precision":
+                            obj.setup("cpu")
+                        built += 1
+                    except ConfigError as err:
+                        assert not torch.cuda.is_available() and ("CUDA" in str(err) or "GPU" in str(err)), (name, err)
+    assert built > 100

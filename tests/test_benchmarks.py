@@ -23,3 +23,17 @@ def test_overhead_benchmark_smoke(tmp_path):
     assert table[2].startswith("| model | loop |") and table[2].endswith("| syncs on non-logging steps |")
     assert smoke["syncs"] == {loop: None for loop in loops}  # counted on CUDA only
     assert sorted(line.split("|")[2].strip() for line in table[4:]) == sorted(loops)
+
+
+def test_loss_benchmark_smoke(tmp_path):
+    """scripts/bench_loss.py at a toy size: both losses agree, and the table holds their memory ratio."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_loss.py"), "--tokens", "256", "--dim", "16",
+                        "--vocab", "3000", "--chunk", "32", "--repeats", "0", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    plain, chunked = json.loads((tmp_path / "loss_bench.json").read_text())["rows"]
+    assert (plain["variant"], chunked["variant"]) == ("plain", "chunked") and plain["mem_x"] == 1.0
+    assert chunked["loss_rel_diff"] < 1e-6 and chunked["max_grad_diff"] < 1e-5
+    assert chunked["mem_x"] == chunked["peak_mb"] / plain["peak_mb"]
+    table = (tmp_path / "loss_bench.md").read_text().splitlines()
+    assert table[2].startswith("| loss | peak MB (above inputs) | memory x plain |") and len(table) >= 6

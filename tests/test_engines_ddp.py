@@ -1,4 +1,5 @@
 """DDP on the CPU (gloo): two processes reproduce one process with the same global batch."""
+import importlib.util
 import json
 import os
 
@@ -48,7 +49,8 @@ def test_torchrun_writes_one_run_directory_that_matches_one_process(tmp_path):
     one = tmp_path / "one"
     r = run_cli(*QUICK, "batch_size=8", f"hydra.run.dir={one}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    r = torchrun("+engine=ddp", *QUICK, "batch_size=4", cwd=tmp_path)
+    tracked = ["+logger=tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    r = torchrun("+engine=ddp", *QUICK, "batch_size=4", *tracked, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     runs = list((tmp_path / "outputs").glob("*/*"))
     assert len(runs) == 1, runs                         # one run, one directory (not one per rank)
@@ -64,6 +66,13 @@ def test_torchrun_writes_one_run_directory_that_matches_one_process(tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0)
     assert r.stdout.count("a sample from the trained model") == 1
     assert "_target_: looplib.engines.DDP" in (run / "config.yaml").read_text()
+    if tracked:  # only rank 0 logs: one event file, every step once
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        assert len(list(run.glob("events.out.tfevents.*"))) == 1
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("loss")] == [m["step"] for m in train]
+        assert [e.value for e in acc.Scalars("loss")] == pytest.approx([m["loss"] for m in train], rel=1e-6)
 
 
 def test_sweep_under_torchrun_one_directory_per_job(tmp_path):

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import REPO
 
-EXTRAS = ("transformers", "peft", "bitsandbytes", "deepspeed", "matplotlib", "pytest")
+EXTRAS = ("transformers", "peft", "bitsandbytes", "deepspeed", "matplotlib", "pytest", "tensorboard", "mlflow",
+          "wandb")
 
 
 @pytest.mark.slow

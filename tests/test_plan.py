@@ -258,3 +258,25 @@ def test_plan_against_the_allocator_peak_on_a_gpu(precision):
     planned = plan.peak(4)
     print(f"\nplan {planned / 2**20:.0f} MiB, allocator peak {peak / 2**20:.0f} MiB, error {planned / peak - 1:+.1%}")
     assert 0.7 < planned / peak < 1.3
+
+
+def test_fsdp_per_rank_and_the_engine_choice():
+    """FSDP2 per rank = (parameters + gradients + optimizer state) / world, which is ZeRO-3's
+    model state, plus the largest unit gathered whole with its unsharded gradients. The engine
+    recommended is DDP while the model state fits, then the first sharding that fits."""
+    cfg = compose_with("data=random", "batch_size=4", "model.n_layer=8")
+    plan = build_plan(cfg.copy(), memory=2**30, world=8)
+    d = 128  # one Block: qkv + proj + 2 MLP matrices (12 d^2), their biases (9 d), 2 LayerNorms (4 d)
+    assert plan.fsdp_unit == ("blocks.0", 4 * (12 * d * d + 9 * d + 4 * d))  # fp32: 4 bytes each
+    sharded = -(-(plan.weights + plan.gradients + plan.optim_state) // 8)
+    assert sharded == zero_per_rank(*plan.zero_layout(), 8, 3)
+    assert plan.fsdp() == sharded + 2 * plan.fsdp_unit[1] and plan.fsdp(offload=True) == 2 * plan.fsdp_unit[1]
+    act = plan.act_ckpt.at(1)
+
+    def choice(usable):
+        return recommendations(build_plan(cfg.copy(), memory=int(usable / 0.9) + 1, world=8))[-1]
+    assert "+engine=ddp over 8 rank(s)" in choice(2**30)
+    assert "+engine=fsdp (shards + the largest unit, blocks.0, gathered) over 8 rank(s)" in choice(plan.fsdp() + act)
+    assert "DeepSpeed ZeRO-2" in choice(zero_per_rank(*plan.zero_layout(), 8, 2) + act)
+    assert "+engine=fsdp engine.offload=cpu" in choice(plan.fsdp(offload=True) + act)
+    assert "use more ranks" in choice(act // 2)

@@ -43,3 +43,58 @@ def test_report_of_an_empty_directory_is_one_line(tmp_path):
     r = run_cli(str(tmp_path), module="looplib.report", cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("looplib.report: error: no job directories")
+
+
+def test_report_says_what_memory_measures_with_spread_and_curves(tracked_sweep, tmp_path):
+    """On a real two-job sweep: per-job memory (and what it measures), throughput min/median/max
+    from the job's own rows, and a chart whose loss axes start near the data, with a curves panel
+    holding every job's training and held-out loss."""
+    from looplib import report
+    out = tmp_path / "out"
+    r = run_cli(str(tracked_sweep), "--out", str(out), module="looplib.report", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = (out / "report.md").read_text()
+    assert ("peak memory MB (every job): process resident memory (RSS), peak during this job (the peak is reset "
+            "when the job starts") in md
+    assert "eval accuracy" not in md  # a language-model sweep: no empty accuracy column
+    rows = {row["job"]: row for row in csv.DictReader((out / "report.csv").read_text().splitlines())}
+    for job in ("0", "1"):
+        train = [m for m in map(json.loads, (tracked_sweep / job / "metrics.jsonl").read_text().splitlines())
+                 if "loss" in m]
+        assert train[0]["peak_mem_measures"].startswith("process resident memory")
+        tps = [m["tokens_per_s"] for m in train[1:]]
+        assert float(rows[job]["tokens/s min"]) == pytest.approx(min(tps))
+        assert float(rows[job]["tokens/s max"]) == pytest.approx(max(tps))
+        assert min(tps) <= float(rows[job]["tokens/s"]) <= max(tps)
+        assert float(rows[job]["peak memory MB"]) == max(m["peak_mem_mb"] for m in train)
+
+    drawn = report.chart(report.collect(tracked_sweep), tmp_path / "chart.png")
+    assert drawn["curves"] == ["optim=adamw (training)", "optim=adamw (held-out)",
+                               "optim=sgd (training)", "optim=sgd (held-out)"]
+    losses = [j.metrics[k] for j in report.collect(tracked_sweep) for k in ("final_loss", "eval_loss")]
+    low, high = drawn["ylim"]["final_loss"]
+    assert min(losses) - (max(losses) - min(losses)) <= low < min(losses) and high > max(losses)  # not from 0
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_classification_sweeps_show_accuracy(tmp_path):
+    from looplib import report
+    for n, (acc, loss) in enumerate([(0.5, 0.69), (0.75, 0.55)]):
+        job = tmp_path / str(n)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- data=classification\n- lr={n + 1}e-3\n")
+        (job / "metrics.jsonl").write_text(
+            json.dumps({"step": 1, "loss": 0.7, "sequences_per_s": 10.0, "peak_mem_mb": 5.0}) + "\n"
+            + json.dumps({"step": 2, "loss": loss, "sequences_per_s": 12.0 + n, "peak_mem_mb": 5.0}) + "\n"
+            + json.dumps({"step": 3, "loss": loss, "sequences_per_s": 14.0, "peak_mem_mb": 5.0}) + "\n"
+            + json.dumps({"step": 2, "eval_loss": loss, "eval_accuracy": acc}) + "\n")
+    written = report.report(tmp_path)
+    md = written["md"].read_text()
+    header = [line for line in md.splitlines() if line.startswith("| job")][0]
+    assert "| eval accuracy |" in header and "| sequences/s | sequences/s min | sequences/s max |" in header
+    assert "tokens/s" not in header  # a classification run counts sequences
+    assert [line.split(" | ")[5] for line in md.splitlines() if line.startswith("| 0") or line.startswith("| 1")] == [
+        "0.5000", "0.7500"]
+    drawn = report.chart(report.collect(tmp_path), tmp_path / "c.png")
+    assert "eval_accuracy" in drawn["ylim"] and "sequences_per_s" in drawn["ylim"]
+    assert [line for line in md.splitlines() if line.startswith("| 1")][0].split(" | ")[6:9] == ["13.5", "13.0", "14.0"]

@@ -1,7 +1,11 @@
 """Metrics rows hold the promised keys, and the throughput agrees with steps x batch / time."""
+import io
 import json
+import logging
+import sys
 
 import pytest
+import torch
 
 from looplib import optim as lo
 from looplib.data import build_loader
@@ -34,3 +38,34 @@ def test_metrics_rows_and_throughput(tmp_path):
     assert steps == [1, 3, 4, 4]
     total = sum(r["step_time_s"] * n for r, n in zip(rows, steps))
     assert total <= rows[-1]["elapsed_s"] and total == pytest.approx(rows[-1]["elapsed_s"], rel=0.1)
+
+
+def test_each_job_gets_its_own_memory_peak(tmp_path):
+    """A sweep runs its jobs in one process: the peak is reset when a job's Telemetry starts, so a
+    small job after a big one does not inherit the big one's peak (CPU: the process's peak RSS)."""
+    from looplib.telemetry import peak_memory_mb
+    big = torch.ones(400 * 2**20 // 4)  # 400 MB, touched
+    del big
+    before = peak_memory_mb(torch.device("cpu"))
+    telemetry = Telemetry(tmp_path / "m.jsonl", progress="lines")
+    assert "peak during this job" in telemetry._memory
+    assert peak_memory_mb(torch.device("cpu")) < before - 300
+    telemetry.close()
+
+
+def test_log_lines_print_above_the_bar_not_through_it(monkeypatch):
+    """On a terminal, a log line written while the bar is shown (Hydra's console handler) clears the
+    bar's line first and the bar is redrawn below it; before, it was glued to the bar's text."""
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)
+    console = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(console)
+    try:
+        telemetry = Telemetry(None, total_steps=2, progress="bar")
+        logging.getLogger("looplib").warning("a line while the bar is shown")
+        telemetry.close()
+        assert console in logging.getLogger().handlers  # the redirection ends with the bar
+    finally:
+        logging.getLogger().removeHandler(console)
+    out = screen.getvalue()
+    assert "\ra line while the bar is shown\n" in out and "]a line" not in out, repr(out)

@@ -1,7 +1,8 @@
 """Engines own what a distributed runtime must own: device placement, gradient sync, ranks.
 
-``Local`` (one process), ``DDP`` (``looplib.engines.ddp``) and ``DeepSpeed``
-(``looplib.engines.deepspeed``, which imports deepspeed only when built).
+``Local`` (one process), ``DDP`` (``looplib.engines.ddp``), ``FSDP`` (PyTorch's FSDP2,
+``looplib.engines.fsdp``) and ``DeepSpeed`` (``looplib.engines.deepspeed``, which imports
+deepspeed only when built).
 """
 from .ddp import DDP
 from .local import Engine, Local, Prepared, resolve_device

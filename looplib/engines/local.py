@@ -52,6 +52,9 @@ class Engine:
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
 
+    def check_evaluation(self, evaluation) -> None:
+        """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
+
     def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
         """Hand the built optimizer and precision to the engine; the loop uses what comes back."""
         return Prepared(model, optimizer, precision, settings.max_grad_norm)
@@ -67,6 +70,11 @@ class Engine:
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
         return value
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's whole state dict (keys as ``unwrap(model).state_dict()``'s; tied
+        weights share a tensor). Collective: every rank calls it (sharding engines gather)."""
+        return {name: t.detach() for name, t in self.unwrap(model).state_dict().items()}
 
     def export_weights(self, model: nn.Module, path: Path) -> None:
         """The trained weights as safetensors. Every rank calls it; the main rank writes."""

@@ -47,34 +47,56 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``model(input_ids) -> logits``; sizes: tiny (default job) and gpt2_small in conf/model/."""
+    """``model(input_ids) -> logits``; sizes: tiny (default job) and gpt2_small in conf/model/.
+
+    ``model(input_ids, hidden_only=True)`` returns the final hidden states instead (after the
+    last norm), for losses that apply ``lm_head`` themselves a chunk at a time
+    (``loss=lm_chunked``). ``pad_vocab_to=64`` rounds the embedding / lm_head rows up to a
+    multiple of 64 (tensor-core-friendly matmul shapes); the padded rows are never predicted:
+    logits are sliced back to ``vocab_size`` columns, so losses, sampling and evaluation see
+    the true vocabulary.
+    """
 
     def __init__(self, vocab_size: Positive[int], seq_len: Positive[int], n_layer: Positive[int] = 4,
-                 n_head: Positive[int] = 4, d_model: Positive[int] = 128, dropout: Beta = 0.0):
+                 n_head: Positive[int] = 4, d_model: Positive[int] = 128, dropout: Beta = 0.0,
+                 pad_vocab_to: Positive[int] = 1):
         super().__init__()
         check_heads(d_model, n_head)
-        self.seq_len = seq_len
+        self.seq_len, self.vocab_size = seq_len, vocab_size
         self.config = dict(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer,
                            n_head=n_head, d_model=d_model)
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        padded = -(-vocab_size // pad_vocab_to) * pad_vocab_to
+        if padded != vocab_size:
+            self.config["pad_vocab_to"] = pad_vocab_to
+        self.tok_emb = nn.Embedding(padded, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head = nn.Linear(d_model, padded, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix, counted once
         self.apply(init_weights)
         for block in self.blocks:  # GPT-2's scaled init of the residual projections
             for proj in (block.attn.proj, block.mlp[2]):
                 nn.init.normal_(proj.weight, std=0.02 / (2 * n_layer) ** 0.5)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The output projection (tied to ``tok_emb``); rows past ``vocab_size`` are padding."""
+        return self.head
+
+    def forward(self, input_ids: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
         t = input_ids.shape[1]
         pos = torch.arange(t, device=input_ids.device)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        x = self.ln_f(x)
+        if hidden_only:
+            return x
+        logits = self.head(x)
+        # padded rows sliced off: a view, the matmul keeps its padded (aligned) shape
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
     def flops_per_sequence(self, seq_len: int | None = None) -> int:
         """Matmul FLOPs of one forward + backward of one sequence: 6 x (weights in matmuls,

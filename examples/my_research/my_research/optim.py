@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from looplib.optim import OptimizerFactory
+from looplib.schema import Beta, NonNegative, Positive
 
 
 class Lion(torch.optim.Optimizer):
@@ -39,7 +40,8 @@ class Lion(torch.optim.Optimizer):
 class LionFactory(OptimizerFactory):
     """looplib hands ``create`` its parameter groups (decayed weights / the rest)."""
 
-    def __init__(self, lr, weight_decay=0.0, betas=(0.9, 0.99)):
+    def __init__(self, lr: Positive[float], weight_decay: NonNegative[float] = 0.0,
+                 betas: tuple[Beta, Beta] = (0.9, 0.99)):  # annotated: looplib checks a bad value at build time
         super().__init__(lr, weight_decay)
         self.betas = tuple(betas)
 

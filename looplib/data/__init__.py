@@ -1,0 +1,23 @@
+"""Data: from the user's files (or random tokens, or the standard library's source) to batches.
+
+One module per concern:
+
+- ``readers``: paths, directories and globs -> documents and records (text, JSONL, JSON, CSV, Parquet)
+- ``tokenizer``: a model directory's tokenizer, or a byte-level BPE trained on the files
+- ``cache``: tokenise once into a memory-mapped cache under ``$LOOPLIB_CACHE``
+- ``packing``: next-token labels, windows, examples, packing, padding (collate)
+- ``corpora``: what the data config groups build (``data=text|instruct|classification|pysource|random``)
+- ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader
+"""
+from .corpora import (ClassificationCorpus, Corpus, FileCorpus, InstructCorpus, PythonSource, RandomCorpus,
+                      RandomTokens, TextCorpus, build_token_cache, load_token_cache, python_files)
+from .loading import EpochSampler, Epochs, build_loader
+from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
+from .tokenizer import register_resolvers
+
+
+__all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
+           "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
+           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "build_token_cache", "load_token_cache",
+           "next_token_example",
+           "python_files"]

@@ -1,0 +1,134 @@
+"""From a dataset to batches: a seeded, resumable sampler, the endless epoch stream, the DataLoader.
+
+The sampler's position *is* the data position: an ``EpochSampler`` at (epoch, start) yields
+the same indices in every process and after every resume, and every dataset in this package
+maps an index to the same sample every time (windows, examples and packs are fixed when the
+corpus is built), so exact resume needs nothing but (epoch, batches seen).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..errors import ConfigError
+
+
+class EpochSampler(Sampler[int]):
+    """Indices of one epoch: a permutation seeded by (seed, epoch), split across ranks.
+
+    Each rank takes every ``world``-th index of the same permutation (as DistributedSampler
+    does); ``start`` skips indices already consumed this epoch, for exact resume.
+    """
+
+    def __init__(self, n: int, *, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+        self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def order(self) -> list[int]:
+        return self.indices().tolist()
+
+    def indices(self) -> torch.Tensor:
+        if self.shuffle:
+            g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # any 64-bit seed, any epoch
+            order = torch.randperm(self.n, generator=g)
+        else:
+            order = torch.arange(self.n)
+        return order[self.rank::self.world][: self.n // self.world]
+
+    def __iter__(self) -> Iterator[int]:
+        # a tensor handed out in slices: millions of windows never become one list of Python ints
+        rest = self.indices()[self.start:]
+        return (i for chunk in rest.split(1 << 16) for i in chunk.tolist())
+
+    def __len__(self) -> int:
+        return self.n // self.world - self.start
+
+
+class Epochs:
+    """An endless stream of epochs over a loader (any re-iterable of batches will do; a
+    DataLoader whose sampler is an ``EpochSampler`` gets per-epoch seeding and resume).
+
+    Iterating yields one iterable of batches per epoch; ``epoch`` and ``batches_seen`` say
+    where the stream is (the resume position)."""
+
+    def __init__(self, loader: DataLoader, epoch: int = 0, batches_seen: int = 0):
+        self.loader, self.epoch, self.batches_seen = loader, epoch, batches_seen
+        self.wait_s = 0.0  # host time spent waiting for the loader (telemetry's data_wait_share)
+        if sized(loader) and len(loader) == 0:  # known before any batch is drawn
+            raise empty_epoch(loader)
+
+    def __iter__(self):
+        sampler = getattr(self.loader, "sampler", None)
+        while True:
+            if isinstance(sampler, EpochSampler):
+                sampler.set_epoch(self.epoch, self.batches_seen * (self.loader.batch_size or 1))
+                if self.loader.generator is not None:  # worker seeds: a function of (seed, epoch)
+                    self.loader.generator.manual_seed((sampler.seed * 100_003 + self.epoch) % 2**64)
+            whole = self.batches_seen == 0  # (a resumed epoch may have nothing left: that is fine)
+            yield self._count(self.loader)
+            if whole and self.batches_seen == 0:  # an endless stream of empty epochs would spin forever
+                raise empty_epoch(self.loader)
+            self.epoch, self.batches_seen = self.epoch + 1, 0
+
+    def _count(self, loader):
+        t0 = time.perf_counter()
+        batches = iter(loader)  # starting workers is waiting too
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                self.wait_s += time.perf_counter() - t0
+            self.batches_seen += 1
+            yield batch
+            t0 = time.perf_counter()
+
+
+def sized(loader) -> bool:
+    try:
+        len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return False
+    return True
+
+
+def empty_epoch(loader) -> ConfigError:
+    """The one-line error for training data that yields no batch (so no loop spins on it)."""
+    dataset, batch = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    world = getattr(sampler, "world", 1)
+    n = len(dataset) if dataset is not None and sized(dataset) else "no"
+    shape = f"{n} training sequences" + (f" over {world} ranks" if world > 1 else "")
+    shape += f" for batch_size={batch}" if batch else ""
+    shape += " with drop_last" if getattr(loader, "drop_last", False) else ""
+    return ConfigError("data", f"the training data yields no batch ({shape})",
+                       "give it more data (e.g. data.n_train, a corpus longer than one sequence of "
+                       "model.seq_len tokens) or a smaller batch_size")
+
+
+def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,
+                 num_workers: int = 0, pin_memory: bool | str = "auto",
+                 persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 device: torch.device | None = None, rank: int = 0, world: int = 1,
+                 drop_last: bool = False, collate_fn: Callable | None = None) -> DataLoader:
+    """A DataLoader from the ``loader`` settings. ``pin_memory: auto`` pins when training on CUDA;
+    ``collate_fn``: the corpus's ``collate`` (dynamic padding), None for plain stacking."""
+    if pin_memory == "auto":
+        pin_memory = device is not None and torch.device(device).type == "cuda"
+    sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle, rank=rank, world=world)
+    extra = {}
+    if num_workers > 0:
+        extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
+    # The loader's own generator: creating an iterator draws a worker base seed from it, and
+    # drawing it from the global RNG would shift every later random number after a resume.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=bool(pin_memory), drop_last=drop_last, generator=generator,
+                      collate_fn=collate_fn, **extra)

@@ -1,0 +1,198 @@
+"""Reading the user's files: paths, directories and globs -> documents and records.
+
+Plain text files (``.txt``, ``.md``, ``.py``, ...: anything not listed in ``RECORDS``) are one
+document each; JSON Lines, JSON (a list of objects), CSV/TSV and Parquet files hold one record
+per line/element/row. The standard library's ``json`` and ``csv`` read the first three: they
+stream, know the line number of every record (so a bad line is reported as ``file:line``),
+and cost no dependency. Parquet has no reader in the standard library: ``pyarrow`` reads it,
+imported only when a ``.parquet`` file is read (``pip install 'looplib[parquet]'``).
+
+Every problem is a ``ConfigError`` naming the file, the line (or byte offset) and the setting.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import ConfigError
+
+RECORDS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet"}
+CHUNK_BYTES = 4 << 20   # large text files are tokenised in pieces cut after a newline
+
+
+def resolve_files(path: str | list[str] | None, key: str = "data.path") -> list[Path]:
+    """Files named by ``path``: files, directories (every non-hidden file below, sorted) and
+    globs (``**`` recurses), in the order given; each file once."""
+    if path is None or path == "" or path == []:
+        raise ConfigError(key, "no files given", f"add {key}=FILE, {key}=DIR or {key}='GLOB' (quoted)")
+    specs = [path] if isinstance(path, str) else list(path)
+    files: list[Path] = []
+    for spec in specs:
+        spec = str(Path(str(spec)).expanduser())
+        if glob.has_magic(spec):
+            found = [Path(p) for p in sorted(glob.glob(spec, recursive=True)) if Path(p).is_file()]
+        elif Path(spec).is_dir():
+            root = Path(spec)
+            found = [p for p in sorted(root.rglob("*")) if p.is_file()
+                     and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+        elif Path(spec).is_file():
+            found = [Path(spec)]
+        else:
+            raise ConfigError(key, f"{spec} does not exist", f"give an existing file, directory or glob in {key}")
+        if not found:
+            raise ConfigError(key, f"{spec} matches no files", f"give a file, a directory holding files, or a glob in {key}")
+        files.extend(found)
+    return list(dict.fromkeys(p.resolve() for p in files))
+
+
+def is_records(path: Path) -> bool:
+    return path.suffix.lower() in RECORDS
+
+
+def content_digest(files: list[Path]) -> str:
+    """One hash of every file's bytes, in order (the cache key: edit a file, and it re-tokenises)."""
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest() if hasattr(hashlib, "file_digest")
+                     else hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def text_pieces(path: Path, errors: str = "strict") -> Iterator[str]:
+    """A plain text file as pieces of about ``CHUNK_BYTES``, each cut after a newline (a UTF-8
+    character never contains the newline byte, so no character is split)."""
+    offset, rest = 0, b""
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(CHUNK_BYTES)
+            data = rest + block
+            if not block:
+                if data:
+                    yield decode(data, path, offset, errors)
+                return
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            yield decode(data[:cut], path, offset, errors)
+            offset, rest = offset + cut, data[cut:]
+
+
+def decode(data: bytes, path: Path, offset: int, errors: str, where: str = "") -> str:
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as err:
+        raise ConfigError("data.path", f"{path}{where} is not UTF-8 text (byte {offset + err.start}: "
+                          f"{data[err.start:err.start + 4]!r})",
+                          "convert the file to UTF-8, or set data.errors=replace") from None
+
+
+def records(path: Path, errors: str = "strict") -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for each record of a JSONL/JSON/CSV/TSV/Parquet file; ``where`` is
+    ``file:line`` (or ``file[i]``, ``file row i``) for error messages."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        yield from jsonl_records(path, errors)
+    elif suffix == ".json":
+        yield from json_records(path, errors)
+    elif suffix in (".csv", ".tsv"):
+        yield from csv_records(path, errors, "\t" if suffix == ".tsv" else ",")
+    elif suffix == ".parquet":
+        yield from parquet_records(path)
+    else:
+        raise ConfigError("data.path", f"{path} is plain text, not records", "give JSONL, JSON, CSV or Parquet files")
+
+
+def jsonl_records(path: Path, errors: str) -> Iterator[tuple[str, dict]]:
+    offset = 0
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            line = decode(raw, path, offset, errors, f" line {number}")
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError("data.path", f"{path}:{number} is not JSON ({err.msg} at column {err.colno})",
+                                  "write one JSON object per line") from None
+            yield check_object(record, f"{path}:{number}")
+
+
+def json_records(path: Path, errors: str) -> Iterator[tuple[str, dict]]:
+    text = decode(path.read_bytes(), path, 0, errors)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError("data.path", f"{path}:{err.lineno} is not JSON ({err.msg} at column {err.colno})",
+                          "fix the file, or write JSON Lines (.jsonl): one object per line") from None
+    if not isinstance(data, list):
+        raise ConfigError("data.path", f"{path} holds a JSON {type(data).__name__}, not a list of records",
+                          "write a JSON list of objects, or JSON Lines (.jsonl)")
+    for i, record in enumerate(data):
+        yield check_object(record, f"{path}[{i}]")
+
+
+def csv_records(path: Path, errors: str, delimiter: str) -> Iterator[tuple[str, dict]]:
+    def lines():
+        offset = 0
+        with open(path, "rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                yield decode(raw, path, offset, errors, f" line {number}")
+                offset += len(raw)
+
+    reader = csv.DictReader(lines(), delimiter=delimiter)
+    try:
+        for row in reader:
+            yield f"{path}:{reader.line_num}", row
+    except csv.Error as err:
+        raise ConfigError("data.path", f"{path}:{reader.line_num} is not valid CSV ({err})", "fix the file") from None
+
+
+def parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ConfigError("data.path", f"{path} is Parquet, which needs pyarrow ({err})",
+                          "pip install 'looplib[parquet]'") from None
+    try:
+        table = pq.ParquetFile(path)
+        row = 0
+        for batch in table.iter_batches(batch_size=4096):
+            for record in batch.to_pylist():
+                yield f"{path} row {row}", record
+                row += 1
+    except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
+        raise ConfigError("data.path", f"{path} is not a readable Parquet file ({err})", "fix the file") from None
+
+
+def check_object(record, where: str) -> tuple[str, dict]:
+    if not isinstance(record, dict):
+        raise ConfigError("data.path", f"{where} is a JSON {type(record).__name__}, not an object",
+                          'write records as objects, e.g. {"text": "..."}')
+    return where, record
+
+
+def field(record: dict, name: str, where: str, key: str):
+    """``record[name]``; a missing field names the setting and lists the fields present."""
+    try:
+        return record[name]
+    except KeyError:
+        present = ", ".join(map(str, record)) or "none"
+        raise ConfigError(key, f"{where} has no field {name!r} (fields: {present})",
+                          f"set {key}=NAME to the field that holds it") from None
+
+
+def text_field(record: dict, name: str, where: str, key: str) -> str:
+    value = field(record, name, where, key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(key, f"{where}: field {name!r} holds {type(value).__name__}, not text",
+                          f"set {key} to a field holding text")
+    return value

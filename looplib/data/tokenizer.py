@@ -1,0 +1,251 @@
+"""The tokenizer: a model directory's own (``data.tokenizer=DIR`` or a ``tokenizer.json``), or a
+byte-level BPE trained on the user's files and cached (``data.tokenizer=null``).
+
+``tokenizers`` loads ``tokenizer.json`` directly (fast, no transformers). transformers is
+imported only where it is needed: a model directory without ``tokenizer.json`` (e.g. a
+SentencePiece ``tokenizer.model``: ``AutoTokenizer`` converts it), and chat records rendered
+with the directory's chat template.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+
+from ..errors import ConfigError
+
+log = logging.getLogger("looplib")
+
+EOT = "<|endoftext|>"
+EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+TRAIN_BYTES = 200 << 20  # a BPE is trained on at most this much text (the first documents)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LOOPLIB_CACHE", "~/.cache/looplib")).expanduser()
+
+
+@dataclass
+class TokenizerInfo:
+    """A ``tokenizers.Tokenizer`` and what the corpora need to know about it."""
+    tokenizer: object
+    source: str | None = None          # the model directory it came from (None: trained here)
+    eos_id: int | None = None
+    pad_id: int | None = None
+    prefix: list[int] = field(default_factory=list)   # what add_special_tokens puts before a text (BOS, [CLS])
+    suffix: list[int] = field(default_factory=list)   # ... and after it ([SEP])
+    chat_template: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def digest(self) -> str:
+        """Identifies the tokenisation (the token cache's key)."""
+        return hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids as the model saw texts start in training (with the BOS, if any)."""
+        return self.prefix + self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)  # fast: no offsets
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def load_tokenizer(spec: str, key: str = "data.tokenizer") -> TokenizerInfo:
+    """From a model directory or a ``tokenizer.json`` file."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ConfigError(key, f"{spec} does not exist", f"give a model directory or a tokenizer.json in {key} "
+                          "(null: train a tokenizer on the files)")
+    directory = path if path.is_dir() else path.parent
+    settings = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
+    file = path if path.is_file() else path / "tokenizer.json"
+    if file.is_file():
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ConfigError(key, f"{file} is not a tokenizer ({err})", "give a tokenizers tokenizer.json") from None
+    else:
+        tok = transformers_tokenizer(path, key)
+    info = TokenizerInfo(tok, source=str(directory.resolve()) if path.is_dir() else None,
+                         chat_template=chat_template(directory, settings) if path.is_dir() else None)
+    info.eos_id = special_id(tok, settings.get("eos_token"), EOS_NAMES)
+    info.pad_id = special_id(tok, settings.get("pad_token"), ()) if settings.get("pad_token") else None
+    if info.pad_id is None:
+        info.pad_id = info.eos_id if info.eos_id is not None else 0
+    info.prefix, info.suffix = specials(tok)
+    return info
+
+
+def transformers_tokenizer(path: Path, key: str):
+    """A directory without tokenizer.json: transformers' fast tokenizer (converted from a slow one)."""
+    if not path.is_dir():
+        raise ConfigError(key, f"{path} is not a tokenizer.json", "give a model directory or a tokenizer.json")
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError(key, f"{path} has no tokenizer.json, and reading its tokenizer needs transformers ({err})",
+                          "pip install 'looplib[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    try:
+        hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+        raise ConfigError(key, f"{path} holds no tokenizer ({str(err).splitlines()[0]})",
+                          "give a model directory with tokenizer files, or data.tokenizer=null") from None
+    if getattr(hf, "backend_tokenizer", None) is None:
+        raise ConfigError(key, f"{path}'s tokenizer has no fast (tokenizers) version", "save it with a tokenizer.json")
+    return hf.backend_tokenizer
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.tokenizer", f"{path} does not read as JSON ({err})", "fix or remove the file") from None
+
+
+def chat_template(directory: Path, settings: dict) -> str | None:
+    """The directory's chat template: chat_template.jinja, or tokenizer_config.json's chat_template."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template or None
+
+
+def special_id(tok, token, fallbacks: Iterable[str]) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    for name in ([token] if token else []) + list(fallbacks):
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return None
+
+
+def specials(tok) -> tuple[list[int], list[int]]:
+    """The ids ``add_special_tokens=True`` puts before and after a text (e.g. ``[BOS]``, or
+    ``[CLS]`` and ``[SEP]``), found by encoding one word both ways."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []
+
+
+def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str) -> TokenizerInfo:
+    """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
+    cached under ``$LOOPLIB_CACHE/tokenizer-KEY/`` (written to a temporary directory, then renamed)."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    if vocab_size < 257:
+        raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
+                          "use e.g. data.vocab_size=8192")
+    target = cache_root() / f"tokenizer-{key}"
+    if not (target / "tokenizer.json").is_file():
+        def limited():
+            seen = 0
+            for text in texts():
+                yield text
+                seen += len(text)
+                if seen >= TRAIN_BYTES:
+                    return
+
+        log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                                show_progress=False)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        try:
+            bpe.save(str(tmp / "tokenizer.json"))
+            os.rename(tmp, target)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    eot = tok.token_to_id(EOT)
+    return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot)
+
+
+def tokenizer_size(spec, default: int) -> int:
+    """Resolver ``${looplib.vocab_size:${.tokenizer},N}``: the tokenizer's size when the data
+    names one (so the model's embeddings follow it), else ``N`` (the size of the BPE to train).
+    A tokenizer that does not load resolves to ``N``: the corpus then says what is wrong."""
+    if spec is None:
+        return int(default)
+    try:
+        return load_tokenizer(str(spec)).vocab_size
+    except Exception:  # noqa: BLE001 - reported properly when the corpus loads it
+        return int(default)
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
+    if not OmegaConf.has_resolver("looplib.vocab_size"):
+        OmegaConf.register_new_resolver("looplib.vocab_size", tokenizer_size, use_cache=True)
+
+
+class ChatTemplate:
+    """Renders chat ``messages`` with a model directory's chat template through transformers'
+    ``apply_chat_template`` (imported only for chat records) and splits the text into
+    (text, is_assistant) segments: an assistant turn is what rendering up to and including it
+    adds to rendering the turns before it with the generation prompt."""
+
+    def __init__(self, info: TokenizerInfo | None, key: str):
+        if info is None or info.chat_template is None or info.source is None:
+            raise ConfigError(key, "the records hold chat messages, but the tokenizer has no chat template",
+                              "set data.tokenizer to a model directory whose tokenizer has one, "
+                              "or write prompt/completion records")
+        try:
+            import transformers
+        except ImportError as err:
+            raise ConfigError(key, f"chat records need transformers to render the chat template ({err})",
+                              "pip install 'looplib[hf]'") from None
+        transformers.logging.set_verbosity_error()
+        self.hf = transformers.AutoTokenizer.from_pretrained(info.source, local_files_only=True)
+        self.hf.chat_template = info.chat_template
+        self.key = key
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def segments(self, messages, where: str) -> list[tuple[str, bool]]:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ConfigError(self.key, f"{where}: messages must be a list of {{role, content}} objects",
+                              'e.g. [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]')
+        text = self.render(messages)
+        cuts, done = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], generation_prompt=True) if i else ""
+            upto = self.render(messages[:i + 1])
+            if not (upto.startswith(before) and text.startswith(upto) and len(before) >= done):
+                raise ConfigError(self.key, f"{where}: the chat template does not render earlier turns as a prefix "
+                                  "of the whole conversation, so the assistant tokens cannot be found",
+                                  "write prompt/completion records instead")
+            cuts.append((len(before), len(upto)))
+            done = len(upto)
+        if not cuts:
+            raise ConfigError(self.key, f"{where}: the conversation has no assistant message (nothing to learn)",
+                              "add an assistant turn to every conversation")
+        parts, at = [], 0
+        for start, stop in cuts:
+            parts += [(text[at:start], False), (text[start:stop], True)]
+            at = stop
+        parts.append((text[at:], False))
+        return [p for p in parts if p[0]]

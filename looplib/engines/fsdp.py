@@ -1,0 +1,311 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer
+state sharded over ranks, each transformer block gathered only while it computes.
+
+    torchrun --nproc_per_node 4 -m looplib.train +engine=fsdp
+    torchrun --nproc_per_node 4 -m looplib.train +engine=fsdp +precision=bf16 engine.offload=cpu
+
+Who does what:
+- ``fully_shard`` goes on every transformer block (found by class name or a name pattern, as
+  activation checkpointing finds them: ``engine.blocks``, ``engine.block_names``) and then on
+  the root, which holds what is left (embeddings, final norm, head). A block's parameters are
+  all-gathered just before its forward and backward and freed after
+  (``engine.reshard_after_forward=false`` keeps them between forward and backward: faster,
+  more memory). Parameters become ``DTensor`` shards; the optimizer steps on the shards;
+- the precision strategy maps onto ``MixedPrecisionPolicy``: bf16/fp16 parameters for
+  compute, gradients reduce-scattered in fp32 (``engine.reduce_dtype=param``: in 16 bits,
+  half the traffic). fp16's loss scaler becomes ``ShardedGradScaler``, whose inf/NaN check
+  is agreed across ranks (one all-reduce), so every rank skips the same steps;
+- the loop keeps the accumulation boundary: gradients are reduce-scattered only on the
+  window's last micro-batch (``set_requires_gradient_sync``); the window's item count is summed
+  over ranks as under DDP (FSDP averages gradients over ranks, as DDP does);
+- clipping runs on the sharded gradients: ``clip_grad_norm_`` returns the global norm;
+- checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its own
+  shards, in parallel), and load onto any number of processes: the run continues from the
+  same global sample, provided the global batch (batch_size x accum_steps x processes) stays;
+- the final weights are gathered into ``model.safetensors`` on rank 0's CPU, one parameter
+  at a time from the other ranks' point of view (no rank but 0 ever holds the whole model).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..schema import Positive
+from . import launch
+from .local import Engine, Prepared, resolve_device, write_safetensors
+
+log = logging.getLogger("looplib")
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+# Optimizers that cannot step on DTensor shards, with the reason (module prefix or dotted class).
+REFUSED_OPTIMIZERS = {
+    "bitsandbytes": ("bitsandbytes' 8-bit optimizers keep quantised state per whole tensor and run their "
+                     "kernels on plain tensors, not DTensor shards",
+                     "use +optim=adamw (FSDP already divides its state by the number of processes), or +engine=deepspeed"),
+    "deepspeed.ops.adam.DeepSpeedCPUAdam": ("DeepSpeed's CPU Adam steps DeepSpeed's flat partitions, not "
+                                            "DTensor shards", "use +optim=adamw with engine.offload=cpu "
+                                            "(the optimizer then steps on the CPU), or +engine=deepspeed"),
+    class_name(torch.optim.Adafactor): ("torch's Adafactor scales each step by the parameter's norm with "
+                                        "in-place ops that DTensor cannot run on a norm of shards "
+                                        "(aten.pow_ on a partial norm, torch 2.13)",
+                                        "use +optim=adamw or +optim=sgd, or +engine=ddp / +engine=deepspeed"),
+}
+
+# looplib's Block and the usual Hugging Face decoder/encoder layers (as +checkpointing=blocks)
+BLOCKS = ["Block", "GPT2Block", "BertLayer", "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"]
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class FSDP(Engine):
+    """``fully_shard`` on every transformer block and on the root; gloo on the CPU, NCCL on CUDA.
+
+    blocks / block_names: the modules sharded as units (class names, or a regular expression
+    over qualified names). reshard_after_forward: free gathered parameters after each block's
+    forward (ZeRO-3 behaviour; false: keep them until backward, ZeRO-2-like). offload: ``cpu``
+    keeps the shards, gradients and optimizer state in host memory (the optimizer steps on the
+    CPU). reduce_dtype: ``float32`` (default) or ``param`` (the 16-bit compute dtype).
+    """
+
+    def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
+                 block_names: str | None = None, reshard_after_forward: bool = True,
+                 offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",
+                 timeout_s: Positive[float] = 1800):
+        from ..checkpointing import ActivationCheckpointing
+        self.device = launch.process_device(resolve_device(str(device)))
+        self.rank, self.timeout_s = launch.launched_rank(), timeout_s
+        if offload not in ("none", "cpu"):
+            raise ConfigError("engine.offload", f"{offload!r} is not an offload device",
+                              "use engine.offload=none or cpu")
+        if reduce_dtype not in ("float32", "param"):
+            raise ConfigError("engine.reduce_dtype", f"{reduce_dtype!r} is not a reduce dtype",
+                              "use engine.reduce_dtype=float32 or param")
+        if not blocks and not block_names:
+            raise ConfigError("engine.blocks", "neither engine.blocks nor engine.block_names is set",
+                              "name block classes (engine.blocks=[Block]) or a pattern "
+                              "(engine.block_names='blocks\\.\\d+')")
+        try:
+            self.finder = ActivationCheckpointing(types=list(blocks or ()), names=block_names)
+        except ConfigError as err:  # a bad regular expression: its key is engine.block_names here
+            raise ConfigError("engine.block_names", err.problem, err.fix) from None
+        self.reshard_after_forward, self.offload, self.reduce_dtype = reshard_after_forward, offload, reduce_dtype
+        self.model = self.optimizer = self.precision = None  # what checkpoints save, once prepared
+        self.geometry: dict = {}
+
+    # ---------------------------------------------------------------- build time
+
+    def check(self, settings, precision, optim=None) -> None:
+        self.mp_policy = self.policy(precision)
+        if self.offload == "cpu" and self.device.type == "cpu":
+            raise ConfigError("engine.offload", "engine.offload=cpu moves shards from the device to host memory, "
+                              "but the device is already the CPU", "use engine.offload=none on the CPU")
+        if optim is None:
+            return
+        cls = "deepspeed.ops.adam.DeepSpeedCPUAdam" if type(optim).__name__ == "CPUAdam" \
+            else class_name(type(optim.build(nn.Linear(1, 1))))
+        for prefix, (why, fix) in REFUSED_OPTIMIZERS.items():
+            if cls == prefix or cls.startswith(prefix + "."):
+                raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
+
+    def check_evaluation(self, evaluation) -> None:
+        from ..evaluation import HalfWeights
+        if isinstance(evaluation, HalfWeights):
+            raise ConfigError("evaluation", "+evaluation=bf16/fp16 casts each parameter's .data, but FSDP gathers "
+                              "blocks from its own flat shard buffers (the cast is not seen, and under inference "
+                              "mode the gather fails)", "leave +evaluation out: with +precision=bf16 FSDP already "
+                              "evaluates with bf16 parameters")
+
+    def policy(self, precision):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        dtype = getattr(precision, "dtype", None)
+        if dtype not in DTYPES:  # fp32, tf32: fp32 parameters, fp32 reduction
+            return MixedPrecisionPolicy()
+        reduce = torch.float32 if self.reduce_dtype == "float32" else dtype
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+
+    # ---------------------------------------------------------------- the engine verbs
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Shard every block, then the root, before the optimizer is built (it steps on the shards)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+        launch.start(self)
+        units = [m for _, m in self.finder.chosen(model)]
+        unit_class = type(units[0]).__name__ if units else "-"
+        if not units:
+            log.warning("FSDP: no module matches engine.blocks / engine.block_names: the whole model is one "
+                        "unit, gathered whole on every rank (parameters gain nothing from sharding)")
+        mp_policy = getattr(self, "mp_policy", None) or self.policy(None)
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.offload == "cpu" else OffloadPolicy()
+        # The model stays where it was built (the CPU): fully_shard moves one unit at a time to
+        # the mesh's device and shards it there, so no rank ever holds the whole model on the
+        # device (with offload the shards go back to host memory). The mesh names the device
+        # type: FSDP's default would pick CUDA whenever present, even for device=cpu.
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        args = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
+                    reshard_after_forward=self.reshard_after_forward)
+        for unit in units:
+            fully_shard(unit, **args)
+        # the root's parameters (embeddings, head) are needed first in backward: resharding them
+        # after forward would only gather them again at once (torchtitan does the same)
+        fully_shard(model, **{**args, "reshard_after_forward": False})
+        if callable(getattr(model, "generate", None)):  # a wrapper's generate (peft) calls the inner
+            register_fsdp_forward_method(model, "generate")  # model directly: gather the root's shards first
+        self.units = len(units) + 1
+        log.info("FSDP: %d processes, backend %s, %s each; %d units (%d x %s and the root); parameters in "
+                 "%s, gradients reduced in %s%s", self.world_size, dist.get_backend(), self.device, self.units,
+                 len(units), unit_class, mp_policy.param_dtype or "fp32", mp_policy.reduce_dtype or "fp32",
+                 "; shards offloaded to the CPU" if self.offload == "cpu" else "")
+        return model
+
+    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
+        if getattr(precision, "scaler", None) is not None:  # fp16: inf/NaN agreed across ranks
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            precision.scaler = ShardedGradScaler(self.device.type, **precision.scaler_args)
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.geometry = {"world_size": self.world_size, "batch_size": settings.batch_size,
+                         "accum_steps": settings.accum_steps}
+        return Prepared(model, optimizer, precision, settings.max_grad_norm)
+
+    def accumulating(self, model: nn.Module, last: bool):
+        model.set_requires_gradient_sync(last)  # every unit: reduce-scatter on the window's last only
+        return nullcontext()
+
+    def global_items(self, items: int) -> float:
+        return launch.items_per_rank(items, self.device)
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return launch.mean_over_ranks(value)
+
+    def shared_run_dir(self, run_dir: Path) -> Path:
+        return Path(launch.broadcast_object(str(run_dir)))
+
+    def close(self) -> None:
+        launch.barrier()
+
+    # ---------------------------------------------------------------- weights
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole state dict, fp32 shards gathered one tensor at a time onto rank 0's CPU
+        (the other ranks get an empty dict and never hold more than one unsharded tensor).
+        Tied names map to one tensor, as in the local engine's file. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not full:
+            return {}
+        first: dict[int, str] = {}  # tied parameters: one tensor under every name, stored once
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+            full[name] = full[first[id(p)]]
+        return full
+
+    def export_weights(self, model: nn.Module, path: Path) -> None:
+        weights = self.full_weights(model)
+        if self.is_main:
+            write_safetensors(_StateDict(weights), Path(path))
+
+    # ---------------------------------------------------------------- sharded checkpoints
+
+    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
+                        tag: str | None = None) -> None:
+        """``directory/tag/``: ``shards/`` (torch.distributed.checkpoint: model and optimizer,
+        every rank its own file, written in parallel), ``client.pt`` (rank 0: looplib's step,
+        schedule, RNG, data position, loss scale) and ``fsdp.json`` (the world it was saved on).
+        Every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        path = Path(directory) / (tag or "latest")
+        launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path / "shards"))
+        if self.is_main:
+            client = {**(client_state or {}), "precision": self.precision.state_dict()}
+            with open(path / "client.pt", "wb") as f:
+                torch.save(client, f)
+            (path / "fsdp.json").write_text(json.dumps(self.geometry, indent=1))
+        launch.barrier()  # the manifest (rank 0, next) lists every rank's files
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
+        """Restore what ``save_checkpoint`` wrote, on this run's number of processes: DCP
+        re-shards the tensors; the data position is moved to the same global sample."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from ..state import load_state
+        path = Path(directory) / (tag or "latest")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        loaded = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(loaded, checkpoint_id=str(path / "shards"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"])
+        client = load_state(path / "client.pt")
+        self.precision.load_state_dict(client.pop("precision"))
+        saved = json.loads((path / "fsdp.json").read_text())
+        position = client["position"]
+        position["batches_seen"] = moved_position(position["batches_seen"], saved, self.geometry)
+        return client
+
+    def resume_config(self, saved_cfg: dict, now_cfg: dict, path: Path) -> list[str]:
+        """Another number of processes may split the same global batch differently: accept a
+        change of batch_size / accum_steps that keeps batch_size x accum_steps x processes
+        (``saved_cfg`` is updated so the config check passes); refuse one that does not."""
+        if not (Path(path) / "fsdp.json").is_file():  # another engine's checkpoint: the config check refuses it
+            return []
+        saved = json.loads((Path(path) / "fsdp.json").read_text())
+        now = {"world_size": self.world_size, "batch_size": now_cfg.get("batch_size"),
+               "accum_steps": now_cfg.get("accum_steps")}
+        if (saved["world_size"], saved["batch_size"], saved["accum_steps"]) == tuple(now.values()):
+            return []
+        before, after = global_batch(saved), global_batch(now)
+        if before != after:
+            raise ConfigError("batch_size", f"the checkpoint was made by {saved['world_size']} process(es) x "
+                              f"batch_size={saved['batch_size']} x accum_steps={saved['accum_steps']} (global "
+                              f"batch {before}); {now['world_size']} x {now['batch_size']} x {now['accum_steps']} "
+                              f"= {after} would change what the resumed run computes",
+                              f"choose batch_size x accum_steps = {before // now['world_size']} per process"
+                              if before % now["world_size"] == 0 else
+                              f"resume on a number of processes that divides {before}")
+        saved_cfg["batch_size"], saved_cfg["accum_steps"] = now["batch_size"], now["accum_steps"]
+        return [f"processes {saved['world_size']} -> {now['world_size']}, batch_size {saved['batch_size']} -> "
+                f"{now['batch_size']}, accum_steps {saved['accum_steps']} -> {now['accum_steps']} (global batch "
+                f"{before} kept)"]
+
+
+def global_batch(geometry: dict) -> int:
+    return geometry["world_size"] * geometry["batch_size"] * geometry["accum_steps"]
+
+
+def moved_position(batches_seen: int, saved: dict, now: dict) -> int:
+    """Micro-batches per process already read this epoch, for ``now``'s split of the data.
+
+    Every rank reads every ``world``-th sample of the same per-epoch permutation
+    (``looplib.data.EpochSampler``), so after ``k`` micro-batches of ``b`` per rank the first
+    ``k x b x world`` samples of the permutation are consumed, whatever the world size: that
+    global count is the position, and it converts into ``now``'s micro-batches."""
+    consumed = batches_seen * saved["batch_size"] * saved["world_size"]
+    per_batch = now["batch_size"] * now["world_size"]
+    if consumed % per_batch:
+        raise ConfigError("batch_size", f"the checkpoint stands at sample {consumed} of its epoch, which is not a "
+                          f"whole number of micro-batches of {now['batch_size']} x {now['world_size']} process(es)",
+                          "keep the global batch and choose a micro-batch that divides it")
+    return consumed // per_batch
+
+
+class _StateDict:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def state_dict(self):
+        return self.weights

@@ -1,0 +1,288 @@
+"""Speed options that change how a step runs, not what it computes: the chunked linear +
+cross-entropy loss, the padded vocabulary, compile modes and fp8. Each is checked against the
+plain computation (fp32, tight tolerances), and the GPU-only ones for their one-line refusal."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplib import ConfigError
+from looplib.compile import TorchCompile
+from looplib.loop import evaluate
+from looplib.engines import Engine
+from looplib.models import GPT
+from looplib.objectives import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
+from looplib.precision import FP8, Precision
+
+from conftest import gpu, run_cli, tiny_gpt
+
+
+def batch_with_ignored(vocab=64, n=3, seq_len=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100   # a prompt
+    labels[2, -3:] = -100  # padding
+    return {"input_ids": ids[:, :-1], "labels": labels}
+
+
+def loss_and_grads(model, objective, batch):
+    model.zero_grad(set_to_none=True)
+    loss = objective(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
+    batch = batch_with_ignored()
+    plain_loss, plain = loss_and_grads(tiny_gpt(), TokenCrossEntropy(), batch)
+    # 48 tokens in chunks of 7: the last chunk is short; and one chunk holding everything
+    for chunk in (7, 4096):
+        loss, grads = loss_and_grads(tiny_gpt(), ChunkedTokenCrossEntropy(chunk_size=chunk), batch)
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-5)
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert ChunkedTokenCrossEntropy().count(batch) == TokenCrossEntropy().count(batch) == 48 - 8
+    # evaluation (inference mode: no gradients are made) gives the same mean loss
+    model = tiny_gpt()
+    args = ([batch], Precision(), Engine("cpu"))
+    assert evaluate(model, args[0], ChunkedTokenCrossEntropy(chunk_size=5), *args[1:]) == pytest.approx(
+        evaluate(model, args[0], TokenCrossEntropy(), *args[1:]), rel=1e-6)
+
+
+def test_linear_cross_entropy_with_bias_and_padding_columns_matches_pytorch():
+    torch.manual_seed(0)
+    hidden, weight, bias = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((23, 8), (13, 8), (13,)))
+    labels = torch.randint(0, 11, (23,))
+    labels[::4] = -100
+    ref = F.cross_entropy(F.linear(hidden, weight, bias)[:, :11], labels, reduction="sum")
+    got = linear_cross_entropy(hidden, weight, bias, labels, vocab=11, chunk_size=5)
+    torch.testing.assert_close(got, ref)
+    grads = torch.autograd.grad(3 * got, (hidden, weight, bias))
+    for a, b in zip(grads, torch.autograd.grad(3 * ref, (hidden, weight, bias))):
+        torch.testing.assert_close(a, b)
+    assert grads[1][11:].abs().max() == 0 and grads[2][11:].abs().max() == 0  # padding rows learn nothing
+
+
+def test_padded_vocabulary_computes_what_the_unpadded_model_does():
+    plain = tiny_gpt(vocab=61)
+    torch.manual_seed(5)
+    padded = GPT(vocab_size=61, seq_len=16, n_layer=2, n_head=2, d_model=32, pad_vocab_to=64)
+    assert padded.tok_emb.weight.shape[0] == padded.lm_head.weight.shape[0] == 64
+    assert padded.head.weight is padded.tok_emb.weight  # still tied
+    with torch.no_grad():
+        for name, p in padded.named_parameters():
+            src = dict(plain.named_parameters())[name]
+            p[:src.shape[0]].copy_(src)  # copied weights; padding rows keep their random values
+    batch = batch_with_ignored(vocab=61)
+    assert padded(batch["input_ids"]).shape[-1] == 61  # padding never shows as a logit
+    for objective in (TokenCrossEntropy(), ChunkedTokenCrossEntropy(chunk_size=9)):
+        ref_loss, ref = loss_and_grads(plain, objective, batch)
+        loss, grads = loss_and_grads(padded, objective, batch)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
+        for name in ref:
+            torch.testing.assert_close(grads[name][:ref[name].shape[0]], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert grads["tok_emb.weight"][61:].abs().max() == 0
+    # sampling sees the true vocabulary only: the same tokens from the same seed
+    prompt = batch["input_ids"][:1, :4]
+    outs = [m.generate(prompt, 6, generator=torch.Generator().manual_seed(0)) for m in (plain, padded)]
+    torch.testing.assert_close(outs[0], outs[1])
+    assert padded.flops_per_sequence() > plain.flops_per_sequence()  # the padded matmul is what runs
+
+
+def test_chunked_loss_on_a_transformers_model():
+    pytest.importorskip("transformers")
+    from test_hf import tiny_llama
+    batch = batch_with_ignored()
+    ref_loss, ref = loss_and_grads(tiny_llama(), TokenCrossEntropy(), batch)
+    loss, grads = loss_and_grads(tiny_llama(), ChunkedTokenCrossEntropy(chunk_size=10), batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_loss_names_what_a_model_lacks():
+    class Plain(torch.nn.Module):
+        def forward(self, ids, hidden_only=False):
+            return torch.zeros(*ids.shape, 4, requires_grad=True)
+    with pytest.raises(ConfigError, match="has no lm_head"):
+        ChunkedTokenCrossEntropy()(Plain(), batch_with_ignored())
+    with pytest.raises(ConfigError) as err:
+        ChunkedTokenCrossEntropy(chunk_size=0)
+    assert err.value.key == "loss.chunk_size"
+    if not torch.cuda.is_available():  # Liger's kernels are Triton: refused before anything imports
+        from looplib.objectives import LigerTokenCrossEntropy
+        with pytest.raises(ConfigError, match="loss=lm_liger needs a CUDA GPU.*use loss=lm_chunked"):
+            LigerTokenCrossEntropy()
+
+
+def test_compiled_loss_equals_eager():
+    batch = batch_with_ignored()
+    ref_loss, ref = loss_and_grads(tiny_gpt(), TokenCrossEntropy(), batch)
+    torch._dynamo.reset()
+    strategy = TorchCompile(backend="aot_eager", loss=True)  # dynamo and autograd's tracing, no codegen: quick
+    objective = strategy.wrap_loss(TokenCrossEntropy())
+    assert objective.count(batch) == 40 and objective.ignore_index == -100
+    loss, grads = loss_and_grads(strategy.wrap(tiny_gpt()), objective, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+    report = strategy.report()
+    assert report["compiles"] >= 1 and report["compile_s"] > 0
+
+
+def test_reduce_overhead_is_refused_where_cuda_graphs_cannot_run():
+    with pytest.raises(ConfigError) as err:
+        TorchCompile(mode="reduce-overhead", dynamic=True)
+    assert err.value.key == "compile.dynamic"
+    class Padded:  # a corpus that pads each batch to its longest example (data=instruct, pack=false)
+        collate = staticmethod(lambda samples: samples)
+    with pytest.raises(ConfigError, match="pads each batch to its longest example"):
+        TorchCompile(mode="reduce-overhead").check(Padded())
+    TorchCompile(mode="default").check(Padded())
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="reduce-overhead records CUDA graphs, and the model is on cpu"):
+            TorchCompile(mode="reduce-overhead").wrap(tiny_gpt())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_fp8_is_refused_on_a_cpu_with_one_line(tmp_path, token_cache):
+    with pytest.raises(ConfigError, match="fp8 needs a CUDA GPU of compute capability >= 8.9, not cpu"):
+        FP8().setup(torch.device("cpu"))
+    r = run_cli("+precision=fp8", "data=random", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                env={"LOOPLIB_CACHE": token_cache})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "use +precision=bf16 on this device" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_conversion_skips_the_head_and_unaligned_layers():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+    from looplib.precision import float8_training
+    model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=40)  # 40: not a multiple of 16
+    model.blocks[1].attn.qkv = torch.nn.Linear(32, 96)  # aligned, but listed in skip
+    aligned = GPT(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+    keys = list(aligned.state_dict())
+    FP8(skip=["blocks.1.attn.qkv"]).convert(model)
+    float8_training(aligned)
+    converted = lambda m: sorted(n for n, x in m.named_modules() if isinstance(x, Float8Linear))  # noqa: E731
+    assert converted(model) == []
+    assert converted(aligned) == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"]
+    assert type(aligned.head) is torch.nn.Linear and aligned.head.weight is aligned.tok_emb.weight
+    assert list(aligned.state_dict()) == keys  # checkpoints keep their names
+
+
+def test_chunked_loss_and_padded_vocab_through_the_cli(tmp_path, token_cache):
+    """One run with both options: it trains, the padded rows are saved, compile_s is absent (eager)."""
+    args = ["data=random", "data.vocab_size=100", "model.n_layer=1", "model.d_model=32", "model.seq_len=16",
+            "batch_size=4", "max_steps=3", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=4",
+            "loss=lm_chunked", "loss.chunk_size=20", "model.pad_vocab_to=64", "checkpoint.enabled=false"]
+    r = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"LOOPLIB_CACHE": token_cache})
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3] and "eval_loss" in rows[-1]
+    assert not any("compile_s" in row for row in rows)
+    from safetensors.torch import load_file
+    assert load_file(tmp_path / "run" / "model.safetensors")["head.weight"].shape == (128, 32)  # tied: saved once
+
+
+# ---- on a GPU (scripts/gpu_figures.sh speed_tests): the options run, and agree with their plain twins
+
+
+def train_steps(model, objective, steps=3, precision=None, compile_=None, accum=2):
+    from looplib import Accumulation, fit
+    from looplib.optim import SGD
+    from conftest import random_tokens
+    device = torch.device("cuda")
+    precision = precision or Precision()
+    precision.setup(device)
+    model = precision.convert(model).to(device)
+    if compile_ is not None:
+        model, objective = compile_.wrap(model), compile_.wrap_loss(objective)
+    data = torch.utils.data.DataLoader(random_tokens(n=4 * accum * steps), batch_size=4)
+    opt = SGD(lr=0.1).build(model)
+    fit(model, data, objective=objective, optimizer=opt, accumulation=Accumulation(accum), max_steps=steps,
+        precision=precision, engine=Engine(device))
+    batch = {k: v.to(device) for k, v in next(iter(data)).items()}
+    with torch.no_grad(), precision.autocast():
+        return float(TokenCrossEntropy()(model, batch) / TokenCrossEntropy().count(batch))
+
+
+@gpu
+def test_gpu_chunked_loss_in_bf16_matches_the_plain_loss():
+    from looplib.precision import BF16
+    batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
+    results = []
+    for objective in (TokenCrossEntropy(), ChunkedTokenCrossEntropy(chunk_size=7)):
+        model = tiny_gpt().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(loss_and_grads(model, objective, batch))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=1e-2)
+    for name in results[0][1]:
+        torch.testing.assert_close(results[1][1][name], results[0][1][name], rtol=5e-2, atol=1e-3, msg=name)
+    assert train_steps(tiny_gpt(), ChunkedTokenCrossEntropy(), precision=BF16()) == pytest.approx(
+        train_steps(tiny_gpt(), TokenCrossEntropy(), precision=BF16()), rel=2e-2)
+
+
+@gpu
+def test_gpu_cuda_graphs_train_like_eager():
+    torch._dynamo.reset()
+    eager = train_steps(tiny_gpt(), TokenCrossEntropy())
+    graphs = train_steps(tiny_gpt(), TokenCrossEntropy(), compile_=TorchCompile(mode="reduce-overhead"))
+    assert graphs == pytest.approx(eager, rel=1e-3)
+
+
+@gpu
+def test_gpu_fp8_trains_close_to_bf16_or_is_refused_below_sm89():
+    pytest.importorskip("torchao")
+    from looplib.precision import BF16
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+            FP8().setup(torch.device("cuda"))
+        return
+    def model():
+        torch.manual_seed(0)
+        return GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
+    bf16 = train_steps(model(), TokenCrossEntropy(), precision=BF16())
+    fp8 = train_steps(model(), TokenCrossEntropy(), precision=FP8(), compile_=TorchCompile())
+    assert fp8 == pytest.approx(bf16, rel=5e-2)
+
+
+@gpu
+def test_gpu_liger_loss_matches_the_chunked_loss():
+    pytest.importorskip("liger_kernel")
+    from looplib.objectives import LigerTokenCrossEntropy
+    batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
+    ref, ref_grads = loss_and_grads(tiny_gpt().cuda(), ChunkedTokenCrossEntropy(), batch)
+    got, grads = loss_and_grads(tiny_gpt().cuda(), LigerTokenCrossEntropy(), batch)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
+    """+optim=adam8bit_ao: one step (torch.compile bypassed: its CPU compile takes minutes) makes
+    8-bit moments for large tensors, fp32 ones for small; the planner's rule counts them exactly."""
+    pytest.importorskip("torchao")
+    from unittest import mock
+
+    from looplib.optim import TorchaoAdam8bit
+    from looplib.plan import state_rule
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=64)
+    factory = TorchaoAdam8bit(lr=1e-3, weight_decay=0.1)
+    opt = factory.build(model)
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    with mock.patch("torch.compile", lambda fn, **kw: fn):
+        opt.step()
+
+    def nbytes(t):
+        if hasattr(t, "__tensor_flatten__"):  # OptimState8bit: codes, scale, qmap
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+    assert sum(nbytes(v) for s in opt.state.values() for v in s.values()) == state_rule(factory, model)
+    big, small = opt.state[model.blocks[0].mlp[0].weight], opt.state[model.blocks[0].ln1.weight]
+    assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
