@@ -210,6 +210,9 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
     if own_format:  # the engine reads its own files (DeepSpeed checks its partitions itself)
         return out
     out["state"] = read_state(path / "state.pt")
+    missing = [k for k in ("position", "scheduler", "rng", "optimizer", "precision") if k not in out["state"]]
+    if missing:
+        raise InvalidCheckpoint(f"state.pt lacks {', '.join(missing)}")
     if model is not None:
         check_weights(path / "model.safetensors", unwrap(model))
     return out
@@ -224,10 +227,8 @@ def read_state(path: Path) -> dict:
                                 f"not unpickled ({str(err).splitlines()[0]})") from None
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file
         raise InvalidCheckpoint(f"unreadable state.pt ({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    missing = [k for k in ("position", "scheduler", "rng", "optimizer", "precision")
-               if not isinstance(blob, dict) or k not in blob]
-    if missing:
-        raise InvalidCheckpoint(f"state.pt lacks {', '.join(missing)}")
+    if not isinstance(blob, dict):
+        raise InvalidCheckpoint(f"{path.name} does not hold a mapping")
     return blob
 
 
