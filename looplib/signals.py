@@ -89,8 +89,12 @@ class Signals:
 
     def finish(self) -> None:
         """The run has ended (or is reporting how it ended): a signal now changes nothing, and
-        cannot kill the process on its way out."""
+        cannot kill the process on its way out. Ignored by the OS, not by a Python handler:
+        the interpreter puts the default action (death) back while it shuts down, and a
+        launcher's SIGTERM to a rank still exiting would otherwise end it with -15."""
         self.finished = True
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     @property
     def requested(self) -> bool:

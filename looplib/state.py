@@ -149,17 +149,16 @@ class InvalidCheckpoint(Exception):
 
 
 def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
-                       config: dict | None = None, reshard=None) -> dict:
+                       check_config=None) -> dict:
     """The one validation every checkpoint goes through before anything is loaded from it.
 
     Checks, in order of cost: a directory with a manifest of the right shape that lists every
     file a checkpoint needs (looplib's own, or those the engine wrote, named in meta.json); each
     file's size and sha256; config.yaml and meta.json parse; state.pt unpickles with
-    ``weights_only=True``; the weights' names, shapes and dtypes fit ``model``. Given the current
-    ``config``, a change that would alter the run is refused (``ConfigError``, not skipped)
-    before the weights are compared, so that the message names the setting; ``reshard`` (an
-    engine's ``resume_config``) may first accept a change the saved config alone cannot judge
-    (FSDP: another number of processes splitting the same global batch). Returns what was
+    ``weights_only=True``; the weights' names, shapes and dtypes fit ``model``. Given
+    ``check_config(saved_config, path)``, a config change that would alter the run is refused
+    (``ConfigError``, not skipped) before the weights are compared, so that the message names
+    the setting. Returns what was
     read (``config``, ``meta``, ``state``) so that loading does not read it twice; raises
     ``InvalidCheckpoint`` naming the first problem."""
     path = Path(path)
@@ -206,13 +205,14 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
             raise ValueError("not a mapping")
     except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's many errors
         raise InvalidCheckpoint(f"unreadable config.yaml ({str(err).splitlines()[0]})") from None
-    accepted = []
-    if config is not None:
-        accepted = (reshard(saved, config, path) if reshard else []) + check_resume_config(saved, config)
-    out = {"config": saved, "meta": meta, "step": step, "state": None, "accepted": accepted}
+    out = {"config": saved, "meta": meta, "step": step, "state": None,
+           "accepted": check_config(saved, path) if check_config is not None else []}
     if own_format:  # the engine reads its own files (DeepSpeed checks its partitions itself)
         return out
     out["state"] = read_state(path / "state.pt")
+    missing = [k for k in ("position", "scheduler", "rng", "optimizer", "precision") if k not in out["state"]]
+    if missing:
+        raise InvalidCheckpoint(f"state.pt lacks {', '.join(missing)}")
     if model is not None:
         check_weights(path / "model.safetensors", unwrap(model))
     return out
@@ -227,10 +227,8 @@ def read_state(path: Path) -> dict:
                                 f"not unpickled ({str(err).splitlines()[0]})") from None
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file
         raise InvalidCheckpoint(f"unreadable state.pt ({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    missing = [k for k in ("position", "scheduler", "rng", "optimizer", "precision")
-               if not isinstance(blob, dict) or k not in blob]
-    if missing:
-        raise InvalidCheckpoint(f"state.pt lacks {', '.join(missing)}")
+    if not isinstance(blob, dict):
+        raise InvalidCheckpoint(f"{path.name} does not hold a mapping")
     return blob
 
 
@@ -277,7 +275,7 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_format: bool | None = None,
-                    found: dict | None = None, config: dict | None = None, reshard=None) -> Path | None:
+                    found: dict | None = None, check_config=None) -> Path | None:
     """The newest valid checkpoint at ``where``: a checkpoint, its parent, or a run directory.
     Invalid ones are skipped with a warning; a single checkpoint named directly that is
     invalid raises ``InvalidCheckpoint``. ``found``, if given, receives what was read from the
@@ -289,7 +287,7 @@ def find_checkpoint(where: Path, model: torch.nn.Module | None = None, own_forma
         candidates, single = step_dirs(where / "checkpoints" if (where / "checkpoints").is_dir() else where), False
     for path in candidates:
         try:
-            checked = inspect_checkpoint(path, model, own_format, config, reshard)
+            checked = inspect_checkpoint(path, model, own_format, check_config)
         except InvalidCheckpoint as err:
             if single:
                 raise
@@ -491,18 +489,18 @@ class Checkpoints:
     # ------------------------------------------------------------------ reading
     def find(self, where: Path, found: dict | None = None) -> Path | None:
         """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
-        return find_checkpoint(where, self.parts.get("model"), self.own_format, found, self.current_config(),
-                               self.reshard)
+        return find_checkpoint(where, self.parts.get("model"), self.own_format, found, self.check_config)
 
-    @property
-    def reshard(self):
-        """The engine's judge of a resume on another number of processes (FSDP), or None."""
-        return getattr(self.engine, "resume_config", None)
-
-    def current_config(self) -> dict | None:
-        """This run's resolved config (None when unknown: nothing to compare)."""
+    def check_config(self, saved_cfg: dict, path: Path) -> list[str]:
+        """Refuse a config change that alters the run (``ConfigError``); return the accepted ones.
+        An engine may accept a change the saved config alone cannot judge (FSDP: another number
+        of processes splitting the same global batch differently)."""
         from omegaconf import OmegaConf
-        return OmegaConf.to_container(OmegaConf.create(self.config_yaml)) if self.config_yaml.strip() else None
+        if not self.config_yaml.strip():  # no config known: nothing to compare
+            return []
+        now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
+        reshard = getattr(self.engine, "resume_config", None)
+        return (reshard(saved_cfg, now_cfg, path) if reshard else []) + check_resume_config(saved_cfg, now_cfg)
 
     def load(self, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
         """Restore everything from ``path`` into the bound parts and ``state``. Returns the
@@ -511,8 +509,7 @@ class Checkpoints:
         from safetensors.torch import load_model
 
         try:
-            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format,
-                                                    self.current_config(), self.reshard)
+            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format, self.check_config)
         except InvalidCheckpoint as err:
             raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
                               "resume from another checkpoint, or use resume=auto to take the newest valid one") from None

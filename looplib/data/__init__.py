@@ -18,5 +18,6 @@ from .tokenizer import register_resolvers
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
-           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "build_token_cache", "next_token_example",
+           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "build_token_cache", "load_token_cache",
+           "next_token_example",
            "python_files"]

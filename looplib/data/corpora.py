@@ -174,7 +174,6 @@ def load_token_cache(cache: Path, files: list[Path], vocab_size: int):
                           f"delete it (rm -r {cache}) or point LOOPLIB_CACHE at a writable directory") from None
 
 
-
 def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
     """Train the tokenizer and tokenise every file once; written atomically (tmp + rename)."""
     from tokenizers import ByteLevelBPETokenizer
@@ -205,7 +204,7 @@ def build_token_cache(files: list[Path], vocab_size: int, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-
+EvalFraction = Annotated[float, Range(ge=0, lt=1)]   # 0: no held-out data
 ENCODE_BATCH_CHARS = 8 << 20   # text handed to the tokenizer at once (its threads split the batch)
 
 

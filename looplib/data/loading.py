@@ -99,7 +99,6 @@ def sized(loader) -> bool:
     return True
 
 
-
 def empty_epoch(loader) -> ConfigError:
     """The one-line error for training data that yields no batch (so no loop spins on it)."""
     dataset, batch = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
@@ -112,7 +111,6 @@ def empty_epoch(loader) -> ConfigError:
     return ConfigError("data", f"the training data yields no batch ({shape})",
                        "give it more data (e.g. data.n_train, a corpus longer than one sequence of "
                        "model.seq_len tokens) or a smaller batch_size")
-
 
 
 def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,
