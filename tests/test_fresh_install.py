@@ -1,15 +1,19 @@
 """The README's first command on a fresh machine: the core install, no extras, a real job.
 
-A new virtual environment gets the on-disk CPU torch, then ``pip install .`` with no extras,
+A new virtual environment gets torch (this environment's own build, linked in rather than
+copied: installing it again costs minutes of disk writes in CI), then ``pip install .`` with no extras,
 and runs a short default job (data=pysource, model=tiny) that writes a checkpoint, the final
 weights and a sample. Nothing from the test extra (numpy came from it once) is there to hide
 a missing core dependency: any import a core run makes must come from a core dependency.
 """
 import json
 import os
+import re
 import subprocess
-import sys
+import sysconfig
 import venv
+from importlib.metadata import distribution
+from pathlib import Path
 
 import pytest
 
@@ -32,10 +36,8 @@ def test_core_install_runs_the_default_job(tmp_path, token_cache):
                            text=True, env=env, cwd=tmp_path, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
-    torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__.split('+')[0])"],
-                                   capture_output=True, text=True).stdout.strip()
-    pip(f"torch=={torch_version}")  # the build already on this machine (the README's pin)
-    pip(str(REPO))                  # core dependencies only
+    link_torch(tmp_path / "torch-site", env_dir)  # what `pip install torch==2.13.0` would put there
+    pip(str(REPO))                                 # core dependencies only
     absent = subprocess.run([python, "-c", "import importlib.util as u; print([m for m in %r if u.find_spec(m)])"
                              % (EXTRAS,)], capture_output=True, text=True, env=env)
     assert absent.stdout.strip() == "[]", absent.stdout + absent.stderr  # really no extras
@@ -54,3 +56,24 @@ def test_core_install_runs_the_default_job(tmp_path, token_cache):
     assert all((c / "manifest.json").is_file() and (c / "model.safetensors").is_file() for c in ckpts)
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
+def link_torch(shared: Path, env_dir: Path) -> None:
+    """Make torch and its own dependencies (not numpy, not looplib's) importable in the new
+    environment through a .pth file: symlinks to this environment's files, metadata included,
+    so that pip sees torch installed. Outside the new environment, pip never uninstalls them."""
+    shared.mkdir()
+    todo, seen = ["torch"], set()
+    while todo:
+        dist = distribution(todo.pop())
+        name = dist.metadata["Name"].lower()
+        if name in seen or name in ("setuptools", "pip"):
+            continue
+        seen.add(name)
+        todo += [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in dist.requires or () if "extra ==" not in r]
+        for top in {Path(str(f)).parts[0] for f in dist.files or ()} - {"..", "bin"}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (shared / top).exists():
+                (shared / top).symlink_to(source)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(env_dir), "platbase": str(env_dir)}))
+    (site / "torch-from-this-machine.pth").write_text(str(shared) + "\n")
