@@ -33,7 +33,8 @@ def golden_losses(micro: int = 8, accum: int = 1, steps: int = STEPS) -> list[fl
     # a learnable stream (every token is the previous one plus 5, mod 64), cut into chunks
     data = TokenChunks((torch.arange(8 * steps * 16 + 1) * 5) % 64, 16)
     loader = build_loader(data, batch_size=micro, seed=2)
-    opt = lo.AdamW(lr=1e-2, weight_decay=0.1, impl="for-loop").build(model)
+    # betas pinned: the committed numbers were made with torch's (0.9, 0.999), before looplib.optim.BETAS
+    opt = lo.AdamW(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), impl="for-loop").build(model)
     rows = []
     telemetry = Telemetry(enabled=False, log_every=1)
     telemetry.write = rows.append
