@@ -59,7 +59,7 @@ def test_every_extension_by_dotted_path(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli("+precision._target_=my_research.BF16FP32Norms",
                 "+optim._target_=my_research.LionFactory", "+optim.lr=3e-4",
-                "model._target_=my_research.GRULM", "~model.n_head", "model.n_layer=1", "model.seq_len=32",
+                "model._target_=my_research.GRULM", "~model.n_head", "~model.pad_vocab_to", "model.n_layer=1", "model.seq_len=32",
                 "data._target_=my_research.ByteCorpus", "data.vocab_size=256", "data.max_bytes=100000",
                 "loss._target_=my_research.LabelSmoothedLM",
                 *QUICK, f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
