@@ -136,4 +136,12 @@ def forget(path: Path, fresh: bool) -> None:
     try:
         path.rmdir()
     except OSError:
-        pass
+        return
+    here = Path.cwd().resolve()
+    for parent in path.resolve().parents:  # outputs/<date>/ that Hydra made for it, if now empty
+        if parent == here or here not in parent.parents:
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
