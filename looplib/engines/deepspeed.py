@@ -42,7 +42,7 @@ from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
 from . import launch
-from .local import Engine, Prepared, resolve_device, write_safetensors
+from .local import Engine, Prepared, resolve_device
 
 log = logging.getLogger("looplib")
 
@@ -285,11 +285,6 @@ class DeepSpeed(Engine):
         return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
                 for name, t in module.state_dict(keep_vars=True).items()}
 
-    def export_weights(self, model: nn.Module, path: Path) -> None:
-        weights = self.full_weights(model)
-        if self.is_main:
-            write_safetensors(_StateDict(weights), Path(path))
-
     def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
                         tag: str | None = None) -> None:
         """DeepSpeed's own checkpoint (model, optimizer partitions, loss scaler) plus
@@ -367,10 +362,3 @@ class CPUAdam(OptimizerFactory):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, lr=self.lr, betas=self.betas, eps=self.eps, adamw_mode=self.adamw_mode)
 
-
-class _StateDict:
-    def __init__(self, weights):
-        self.weights = weights
-
-    def state_dict(self):
-        return self.weights

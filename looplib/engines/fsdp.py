@@ -40,7 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..schema import Positive
 from . import launch
-from .local import Engine, Prepared, resolve_device, write_safetensors
+from .local import Engine, Prepared, resolve_device
 
 log = logging.getLogger("looplib")
 
@@ -211,11 +211,6 @@ class FSDP(Engine):
             full[name] = full[first[id(p)]]
         return full
 
-    def export_weights(self, model: nn.Module, path: Path) -> None:
-        weights = self.full_weights(model)
-        if self.is_main:
-            write_safetensors(_StateDict(weights), Path(path))
-
     # ---------------------------------------------------------------- sharded checkpoints
 
     def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
@@ -302,10 +297,3 @@ def moved_position(batches_seen: int, saved: dict, now: dict) -> int:
                           "keep the global batch and choose a micro-batch that divides it")
     return consumed // per_batch
 
-
-class _StateDict:
-    def __init__(self, weights):
-        self.weights = weights
-
-    def state_dict(self):
-        return self.weights

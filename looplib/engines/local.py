@@ -77,9 +77,11 @@ class Engine:
         return {name: t.detach() for name, t in self.unwrap(model).state_dict().items()}
 
     def export_weights(self, model: nn.Module, path: Path) -> None:
-        """The trained weights as safetensors. Every rank calls it; the main rank writes."""
+        """The trained weights as safetensors. Every rank calls it (sharding engines gather in
+        ``full_weights``); the main rank writes."""
+        weights = self.full_weights(model)
         if self.is_main:
-            write_safetensors(self.unwrap(model), Path(path))
+            write_safetensors(weights, Path(path))
 
     def close(self) -> None:
         """Tear down what ``setup`` started (a process group, ...)."""
@@ -120,12 +122,24 @@ class Engine:
 
 
 def write_safetensors(module, path: Path) -> None:
-    """``module.state_dict()`` (tied weights stored once) as safetensors, written beside the
-    target and renamed: never a half-written file."""
+    """``module.state_dict()`` (or a state dict itself; tied weights stored once) as safetensors,
+    written beside the target and renamed: never a half-written file."""
     from safetensors.torch import save_model
+    if isinstance(module, dict):
+        module = _StateDict(module)
     tmp = path.with_name(path.name + ".tmp")
     save_model(module, str(tmp))
     os.replace(tmp, path)
+
+
+class _StateDict:
+    """A state dict in the shape ``save_model`` takes (it calls ``.state_dict()``)."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def state_dict(self) -> dict:
+        return self.weights
 
 
 Local = Engine
