@@ -9,7 +9,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-DOCS = [REPO / "README.md", REPO / "results" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "results" / "README.md", REPO / "examples" / "my_research" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -46,10 +47,11 @@ def test_every_relative_link_and_anchor_resolves():
     assert sum(len(links(doc)) for doc in DOCS) > 20  # the pattern finds the links there are
 
 
-def test_the_link_checker_sees_a_broken_link(tmp_path):
+def test_the_link_checker_reads_links_and_headings_as_github_does():
     assert slug("Trackers: TensorBoard, MLflow, W&B") == "trackers-tensorboard-mlflow-wb"
-    assert links(REPO / "README.md")
-    assert "docs/nowhere.md" in LINK.findall("see [x](docs/nowhere.md)")
+    assert slug("Another run's results are never overwritten") == "another-runs-results-are-never-overwritten"
+    assert LINK.findall("see [x](docs/nowhere.md#a) and ![chart](h100/guides.png)") == ["docs/nowhere.md#a", "h100/guides.png"]
+    assert "docs/engines.md" in links(REPO / "README.md")
 
 
 def readme_loop() -> list[str]:
@@ -58,30 +60,48 @@ def readme_loop() -> list[str]:
     return section.split("```python", 1)[1].split("```", 1)[0].strip("\n").splitlines()
 
 
-def test_readme_loop_is_fits_own_code():
-    """Every line of the README's snippet is a line of fit, in order, at the same indentation
-    relative to the snippet's first line: the next non-blank line of fit, unless a line ``...``
-    before it stands for lines left out."""
-    from looplib.loop import fit
-
-    source = [line.rstrip() for line in inspect.getsource(fit).splitlines()]
-    snippet = [line.rstrip() for line in readme_loop() if line.strip()]
-    assert len([line for line in snippet if line.strip() != "..."]) >= 10 and snippet[0].strip() != "..."
+def mismatch(snippet: list[str], source: list[str]) -> str | None:
+    """None when every line of ``snippet`` is a line of ``source``, in order, at the same indentation
+    relative to the snippet's first line, each the next non-blank line of ``source`` unless a line
+    ``...`` before it stands for lines left out; else what differs."""
+    snippet = [line.rstrip() for line in snippet if line.strip()]
+    source = [line.rstrip() for line in source]
     start = next((i for i, line in enumerate(source) if line.strip() == snippet[0].strip()), None)
-    assert start is not None, f"fit has no line {snippet[0].strip()!r} (the README's loop starts with it)"
-    indent = " " * (len(source[start]) - len(source[start].lstrip()))
+    if start is None:
+        return f"no line {snippet[0].strip()!r}"
+    indent = " " * (len(source[start]) - len(source[start].lstrip()) - (len(snippet[0]) - len(snippet[0].lstrip())))
     code = [(i, line) for i, line in enumerate(source) if line.strip()]
     at, gap = start, True
     for line in snippet:
         if line.strip() == "...":
             gap = True
             continue
-        candidates = [i for i, s in code if i >= at and s == indent + line]
         following = next((i for i, _ in code if i >= at), None)
-        found = candidates[0] if candidates and (gap or candidates[0] == following) else None
-        assert found is not None, (f"README's loop line {line.strip()!r} is not the next line of looplib.loop.fit"
-                                   f" (fit has {source[following].strip() if following is not None else 'nothing'!r})")
+        found = next((i for i, s in code if i >= at and s == indent + line), None)
+        if found is None or not (gap or found == following):
+            return f"{line.strip()!r} is not the next line (that is {source[following].strip() if following is not None else 'nothing'!r})"
         at, gap = found + 1, False
+    return None
+
+
+def test_snippet_matching_allows_elision_only_where_marked():
+    source = ["def f():", "    a = 1", "    if a:", "        b = 2", "", "    c = 3", "    return c"]
+    assert mismatch(["a = 1", "if a:", "    b = 2", "c = 3"], source) is None
+    assert mismatch(["a = 1", "...", "c = 3"], source) is None
+    assert mismatch(["a = 1", "c = 3"], source) is not None          # a line left out without "..."
+    assert mismatch(["a = 1", "if a:", "b = 2"], source) is not None  # wrong indentation
+    assert mismatch(["c = 3", "...", "a = 1"], source) is not None    # out of order
+    assert mismatch(["a = 2"], source) is not None
+
+
+def test_readme_loop_is_fits_own_code():
+    """The README's loop is looplib.loop.fit's own code (``...`` marks lines left out)."""
+    from looplib.loop import fit
+
+    snippet = readme_loop()
+    assert len([line for line in snippet if line.strip() not in ("", "...")]) >= 10
+    problem = mismatch(snippet, inspect.getsource(fit).splitlines())
+    assert problem is None, f"README.md's loop against looplib.loop.fit: {problem}"
 
 
 def conf_groups() -> dict[str, list[str]]:
