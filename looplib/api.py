@@ -70,7 +70,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
                 engine: Engine | None = None, logger: Logger | None = None,
                 eval_dataset: Dataset | None = None, eval_every: int = 0, eval_batches: int = 8,
                 max_grad_norm: float | None = 1.0, device: str = "auto", seed: int = 0,
-                run_dir: str | Path | None = None, checkpoint_every: int = 100, keep: int = 2,
+                run_dir: str | Path | None = None, checkpoint_every: int | None = 100, keep: int = 2,
                 resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
                 metrics: str | Path | None = None, log_every: int = 10, max_bad_steps: int = 25,
                 sample_tokens: int = 0, peak_tflops: float | None = None, progress: str = "auto",
@@ -78,7 +78,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     """Train ``model`` on ``dataset`` (a dataset of dict samples, or a ``looplib.data.Corpus``
     such as ``TextCorpus``) with the given strategies. ``collate_fn``: a corpus's ``collate`` for
     samples of different lengths; ``loader``: the DataLoader keys of the CLI's ``loader.*``
-    (num_workers, pin_memory, ...); ``export``: ``auto`` writes what the CLI writes into the run
+    (num_workers, pin_memory, ...); ``checkpoint_every``: steps between checkpoints (0: only at
+    the end, None: none at all, as ``checkpoint.enabled=false``); ``export``: ``auto`` writes what the CLI writes into the run
     directory (model.safetensors, hf/ for a transformers model, the adapter under LoRA), ``hf``
     insists on a transformers export, None writes no weights. Returns ``Trained`` (model,
     optimizer, scheduler, state, eval_loss, run_dir, last_row)."""
@@ -88,7 +89,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
         global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,
         eval_batches=eval_batches, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
         resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
-        loader=dict(loader or {}), checkpoint=dict(enabled=True, every_steps=checkpoint_every, keep=keep)))
+        loader=dict(loader or {}),
+        checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))
     if isinstance(dataset, Corpus):
         if eval_dataset is not None or collate_fn is not None:
             raise ConfigError("eval_dataset", "a Corpus brings its own held-out split and collate",
