@@ -25,14 +25,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .accumulation import Accumulation
-from .adapters import FullModel
+from .peft import FullModel
 from .compile import Compile
 from .data import Epochs, build_loader
 from .engines import Engine
 from .evaluation import Evaluation
 from .loggers import Logger, Run
 from .loop import TrainState, fit
-from .objectives import TokenCrossEntropy
+from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
 from .telemetry import Telemetry

@@ -47,7 +47,7 @@ class Job:
     objective: Any
     corpus: Any = None
     model: Any = None
-    peft: Any = None          # looplib.adapters: FullModel (null) or LoRA
+    peft: Any = None          # looplib.peft: FullModel (null) or LoRA
     compile: Any = None       # looplib.compile: Compile (eager, null) or TorchCompile
     evaluation: Any = None    # looplib.evaluation: Evaluation (null) or HalfWeights
     logger: Any = None        # looplib.loggers: Loggers of the +logger= choices (none: the null Logger)
