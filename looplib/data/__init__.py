@@ -12,7 +12,7 @@ One module per concern:
 """
 from .corpus import Corpus
 from .files import FileCorpus, TextCorpus
-from .pysource import PythonSource, build_token_cache, load_token_cache, python_files
+from .pysource import PythonSource, python_files
 from .records import ClassificationCorpus, InstructCorpus
 from .synthetic import RandomCorpus, RandomTokens
 from .loading import EpochSampler, Epochs, build_loader
@@ -22,6 +22,6 @@ from .tokenizer import register_resolvers
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
-           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "build_token_cache", "load_token_cache",
+           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader",
            "next_token_example",
            "python_files"]
