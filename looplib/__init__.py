@@ -6,12 +6,12 @@
 
 or, piece by piece, ``fit(model, loader, objective=..., optimizer=..., precision=..., ...)``.
 The base classes to subclass are ``Precision``/``Autocast``, ``OptimizerFactory``, ``Schedule``,
-``Compile``, ``Evaluation``, ``FullModel`` (adapters) and ``Corpus`` (data); see
+``Compile``, ``Evaluation``, ``FullModel`` (peft) and ``Corpus`` (data); see
 docs/extending.md. Heavy optional libraries (bitsandbytes, deepspeed, peft, transformers,
 matplotlib) are imported only when chosen; importing looplib never imports Hydra.
 """
 from .accumulation import Accumulation, Window
-from .adapters import GPT_LINEARS, FullModel, LoRA, load_lora
+from .peft import GPT_LINEARS, FullModel, LoRA, load_lora
 from .api import Datasets, Trained, train_model
 from .checkpointing import ActivationCheckpointing, Checkpointing
 from .compile import Compile, NoCompile, TorchCompile
@@ -20,7 +20,7 @@ from .engines import Engine, Local
 from .errors import ConfigError
 from .evaluation import Evaluation, HalfWeights
 from .loop import TrainState, evaluate, fit
-from .objectives import SequenceCrossEntropy, TokenCrossEntropy
+from .loss import SequenceCrossEntropy, TokenCrossEntropy
 from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
                     list_optimizers, param_groups)
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision

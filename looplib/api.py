@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import assemble
-from .adapters import FullModel
+from .peft import FullModel
 from .assemble import Parts, Record, Trained
 from .checkpointing import Checkpointing
 from .compile import Compile
@@ -43,7 +43,7 @@ from .engines import Engine
 from .errors import ConfigError
 from .evaluation import Evaluation
 from .loggers import Logger
-from .objectives import TokenCrossEntropy
+from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
 from .settings import settings_from

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import autobatch
 from .accumulation import Accumulation
-from .adapters import FullModel
+from .peft import FullModel
 from .checkpointing import Checkpointing
 from .compile import Compile
 from .data import Corpus, Epochs, build_loader
@@ -40,7 +40,7 @@ from .errors import ConfigError
 from .evaluation import Evaluation
 from .loggers import Logger, Run, artefacts, logged_steps
 from .loop import fit
-from .objectives import TokenCrossEntropy
+from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
 from .settings import Settings

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import optim as lo
 from .checkpointing import ActivationCheckpointing, Checkpointing
-from .objectives import SequenceCrossEntropy
+from .loss import SequenceCrossEntropy
 
 USABLE = 0.9  # share of device memory a plan may fill (CUDA context, allocator fragmentation)
 

@@ -187,3 +187,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)
     from ..data.tokenizer import register_resolvers as register_data_resolvers
     register_data_resolvers()  # ${looplib.vocab_size:...} in the data groups
+    from ..hf.config import register_resolvers as register_model_resolvers
+    register_model_resolvers()  # ${looplib.seq_len:...} in conf/model/hf*.yaml
