@@ -379,7 +379,7 @@ def artefacts(run_dir: Path) -> dict[str, str]:
                       ("config", "config.yaml"), ("metrics", "metrics.jsonl")):
         if (run_dir / rel).exists():
             out[name] = str(run_dir / rel)
-    from .state import step_dirs
+    from .checkpoint_files import step_dirs
     newest = step_dirs(run_dir / "checkpoints")  # newest first; the run just wrote it (no re-hash)
     if newest:
         out["checkpoint"] = str(newest[0])

@@ -14,7 +14,8 @@ from .accumulation import Accumulation
 from .data import Epochs
 from .engines import Engine
 from .precision import Precision
-from .state import Checkpoints, TrainState
+from .checkpoints import Checkpoints
+from .train_state import TrainState
 from .telemetry import Telemetry
 
 

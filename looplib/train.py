@@ -7,7 +7,6 @@ metrics.jsonl, config.yaml (resolved), model.safetensors.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +20,18 @@ from omegaconf import DictConfig, OmegaConf
 from . import autobatch, loggers, rundir
 from .accumulation import Accumulation
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
+from .checkpoint_files import write_atomic
+from .checkpoints import EXIT_IO, EXIT_NUMERIC, Checkpoints, NumericError, SaveError
 from .data import Epochs, build_loader
 from .engines import Engine
 from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
-from .signals import EXIT_INTERRUPTED, Interrupted, Signals
-from .state import EXIT_IO, EXIT_NUMERIC, Checkpoints, InvalidCheckpoint, NumericError, SaveError, TrainState
 from .plan import optimizer_state_bytes
+from .resume import resume
+from .signals import EXIT_INTERRUPTED, Interrupted, Signals
 from .telemetry import Telemetry, peak_flops
+from .train_state import TrainState
 
 log = logging.getLogger("looplib")
 register_resolvers()  # ${looplib.rank0_dir:...}: one run directory per run under torchrun
@@ -170,46 +172,6 @@ def report_stop(signals: Signals, state: TrainState, run_dir: Path, saved: bool,
         return
     log.warning("%s at step %d: checkpoint saved; exit %d. Continue with: python -m looplib.train ... "
                 "resume=auto hydra.run.dir=%s", what, state.step, signals.status, run_dir)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path) -> None:
-    """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
-    ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
-    ``state.inspect_checkpoint``) are skipped with a warning, or refused when named directly."""
-    found: dict = {}
-    try:
-        path = checkpoints.find(run_dir if where == "auto" else Path(where), found)
-    except InvalidCheckpoint as err:
-        raise ConfigError("resume", f"{where} is not a valid checkpoint: {err}",
-                          "give a complete checkpoint (.../checkpoints/step-N) or a run directory, or use "
-                          "resume=auto") from None
-    if path is None:
-        if where != "auto":
-            raise ConfigError("resume", f"no valid checkpoint at {where}",
-                              "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
-        log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
-                    "run, pass its directory: hydra.run.dir=...)", run_dir)
-    else:
-        accepted = checkpoints.load(path, state, found.get(path))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
-                 state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
-    metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
-    if checkpoints.is_main and metrics.exists():  # rows past the checkpoint came from the run that died
-        import json
-        rows = []
-        for line in metrics.read_text().splitlines():
-            try:
-                if line.strip() and json.loads(line).get("step", 0) <= state.step:
-                    rows.append(line)
-            except (ValueError, AttributeError):  # a row cut short by a kill: dropped
-                pass
-        write_atomic(metrics, "".join(row + "\n" for row in rows))
 
 
 def mfu_settings(job: Job) -> dict:

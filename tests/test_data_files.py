@@ -21,7 +21,9 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.objectives import TokenCrossEntropy
 from looplib.precision import FP32
-from looplib.state import Checkpoints, TrainState, find_checkpoint
+from looplib.checkpoint_files import find_checkpoint
+from looplib.checkpoints import Checkpoints
+from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
 from conftest import REPO, run_cli

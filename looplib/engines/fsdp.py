@@ -238,7 +238,7 @@ class FSDP(Engine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from ..state import load_state
+        from ..checkpoint_files import load_state
         path = Path(directory) / (tag or "latest")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         loaded = {"model": model_sd, "optimizer": optim_sd}
