@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, need
 from .schema import Positive
 
 log = logging.getLogger("looplib")
@@ -152,15 +152,9 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def need(module: str, extra: str, option: str):
+def need_tracker(module: str, extra: str, option: str):
     """Import a tracker library, or refuse with the one line that says what to install."""
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ConfigError(f"logger.{option}",
-                          f"+logger={option} needs the {module} package, which does not import ({err})",
-                          f"pip install 'looplib[{extra}]', or leave out +logger={option}") from None
+    return need(module, extra, f"logger.{option}", f"+logger={option}", f"leave out +logger={option}")
 
 
 class TensorBoard(Tracker):
@@ -172,7 +166,7 @@ class TensorBoard(Tracker):
 
     def __init__(self, flush_secs: Positive[int] = 30):
         self.flush_secs = flush_secs
-        need("tensorboard", "tensorboard", "tensorboard")
+        need_tracker("tensorboard", "tensorboard", "tensorboard")
         self.writer = None
 
     def start(self, run: Run) -> None:
@@ -217,7 +211,7 @@ class MLflow(Tracker):
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None):
         self.tracking_uri, self.experiment = tracking_uri, experiment
-        need("mlflow", "mlflow", "mlflow")
+        need_tracker("mlflow", "mlflow", "mlflow")
         self.client = self.run_id = None
 
     def start(self, run: Run) -> None:
@@ -277,7 +271,7 @@ class WandB(Tracker):
     def __init__(self, project: str | None = None, mode: Literal["offline", "online", "disabled"] | None = None,
                  entity: str | None = None):
         self.project, self.mode, self.entity = project, mode, entity
-        need("wandb", "wandb", "wandb")
+        need_tracker("wandb", "wandb", "wandb")
         self.wandb_run = None
 
     def start(self, run: Run) -> None:

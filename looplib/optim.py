@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, need
 from .schema import Beta, Fraction, NonNegative, Positive, Range
 
 # The optimizer defaults, one set for the command line (conf/config.yaml's lr and weight_decay,
@@ -168,12 +168,8 @@ class TorchaoAdam8bit(OptimizerFactory):
         super().__init__(lr, weight_decay)
         self.betas, self.eps, self.block_size = tuple(betas), eps, block_size
         self.bf16_stochastic_round = bf16_stochastic_round
-        try:
-            import torchao.optim
-        except ImportError as err:
-            raise ConfigError("optim", f"adam8bit_ao needs torchao, which does not import ({err})",
-                              "pip install 'looplib[fp8]', or use +optim=adam8bit (bitsandbytes)") from None
-        self.torchao_optim = torchao.optim
+        self.torchao_optim = need("torchao.optim", "fp8", "optim", "+optim=adam8bit_ao",
+                                  "use +optim=adam8bit (bitsandbytes)")
 
     def create(self, groups):
         return self.torchao_optim.AdamW8bit(groups, lr=self.lr, betas=self.betas, eps=self.eps,
@@ -184,15 +180,10 @@ class TorchaoAdam8bit(OptimizerFactory):
 def import_bitsandbytes():
     import logging
     import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-            import bitsandbytes
-    except ImportError as err:
-        raise ConfigError("optim", f"this optimizer needs bitsandbytes, which does not import ({err})",
-                          "pip install 'looplib[bnb]' or choose +optim=adamw") from None
-    return bitsandbytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        return need("bitsandbytes", "bnb", "optim", "this optimizer", "choose +optim=adamw")
 
 
 def list_optimizers() -> list[str]:

@@ -37,7 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need
 from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
@@ -67,11 +67,8 @@ DERIVED = {
 
 
 def import_deepspeed():
-    try:
-        import deepspeed
-    except ImportError as err:
-        raise ConfigError("engine", f"+engine=deepspeed needs deepspeed, which does not import ({err})",
-                          "pip install 'looplib[deepspeed]' (DS_BUILD_OPS=0 builds no kernels ahead of time)") from None
+    deepspeed = need("deepspeed", "deepspeed", "engine", "+engine=deepspeed",
+                     "DS_BUILD_OPS=0 pip install deepspeed (builds no kernels ahead of time)")
     from packaging.version import Version
     if Version(deepspeed.__version__).release < (0, 19, 4):
         raise ConfigError("engine", f"deepspeed {deepspeed.__version__} cannot leave the accumulation boundary "
