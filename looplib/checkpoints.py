@@ -30,6 +30,7 @@ import torch
 
 from .checkpoint_files import (FORMAT, LOCAL_FILES, InvalidCheckpoint, config_hash, find_checkpoint, fsync_dir,
                                inspect_checkpoint, rng_state, set_rng_state, sha256, step_dirs, unwrap, write_file)
+from .engines.local import Engine
 from .errors import ConfigError
 from .resume import check_resume_config
 from .signals import Signals, held
@@ -56,12 +57,13 @@ class Checkpoints:
     """
 
     def __init__(self, root: str | Path | None, every_steps: int = 0, keep: int = 2,
-                 max_bad_steps: int = 0, config_yaml: str = "", is_main: bool = True, engine=None,
+                 max_bad_steps: int = 0, config_yaml: str = "", is_main: bool = True, engine: Engine | None = None,
                  check_every: int = 1):
         self.root = Path(root) if root else None
         self.every, self.keep, self.max_bad = every_steps, keep, max_bad_steps
         self.check_every = max(1, check_every)
-        self.config_yaml, self.is_main, self.engine = config_yaml, is_main, engine
+        self.config_yaml, self.is_main = config_yaml, is_main
+        self.engine: Engine = engine if engine is not None else Engine("cpu")
         self.preemption: Preemption | None = None
         self.parts: dict = {}
         self.last_saved_step = -1
@@ -109,13 +111,12 @@ class Checkpoints:
 
     def any_rank(self, flag: bool) -> bool:
         """The stop decision is agreed across ranks (one small all-reduce in multi-process runs)."""
-        agree = getattr(self.engine, "any_rank", None)
-        return agree(flag) if agree is not None else flag
+        return self.engine.any_rank(flag)
 
     # ------------------------------------------------------------------ writing
     @property
     def own_format(self) -> bool:
-        return hasattr(self.engine, "save_checkpoint")  # DeepSpeed: ZeRO partitions per rank
+        return self.engine.own_checkpoints  # FSDP, DeepSpeed: sharded, every rank writes its part
 
     def save(self, state: TrainState) -> Path | None:
         """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here).
@@ -223,8 +224,7 @@ class Checkpoints:
         if not self.config_yaml.strip():  # no config known: nothing to compare
             return []
         now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
-        reshard = getattr(self.engine, "resume_config", None)
-        return (reshard(saved_cfg, now_cfg, path) if reshard else []) + check_resume_config(saved_cfg, now_cfg)
+        return self.engine.resume_config(saved_cfg, now_cfg, path) + check_resume_config(saved_cfg, now_cfg)
 
     def load(self, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
         """Restore everything from ``path`` into the bound parts and ``state``. Returns the
