@@ -16,9 +16,9 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .engines.launch import register_resolvers
 from .errors import ConfigError
 from .optim import LR, WEIGHT_DECAY
+from .resolvers import register_resolvers
 from .schema import NonNegative, Positive, Seed, check_options, default_of, parameters, refuse_unknown, show
 
 register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composing needs them)

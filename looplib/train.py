@@ -24,10 +24,11 @@ from .checkpoint_files import write_atomic
 from .checkpoints import EXIT_IO, EXIT_NUMERIC, Checkpoints, NumericError, SaveError
 from .data import Epochs, build_loader
 from .engines import Engine
-from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
+from .engines.launch import launched_rank, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
 from .plan import optimizer_state_bytes
+from .resolvers import register_resolvers
 from .resume import resume
 from .signals import EXIT_INTERRUPTED, Interrupted, Signals
 from .telemetry import Telemetry, peak_flops

@@ -13,7 +13,6 @@ from .corpora import (ClassificationCorpus, Corpus, FileCorpus, InstructCorpus, 
                       RandomTokens, TextCorpus, build_token_cache, load_token_cache, python_files)
 from .loading import EpochSampler, Epochs, build_loader
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
-from .tokenizer import register_resolvers
 
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",

@@ -189,12 +189,6 @@ def tokenizer_size(spec, default: int) -> int:
         return int(default)
 
 
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.vocab_size"):
-        OmegaConf.register_new_resolver("looplib.vocab_size", tokenizer_size, use_cache=True)
-
-
 class ChatTemplate:
     """Renders chat ``messages`` with a model directory's chat template through transformers'
     ``apply_chat_template`` (imported only for chat records) and splits the text into

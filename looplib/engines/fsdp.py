@@ -118,8 +118,7 @@ class FSDP(Distributed):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
 
     def check_evaluation(self, evaluation) -> None:
-        from ..evaluation import HalfWeights
-        if isinstance(evaluation, HalfWeights):
+        if getattr(evaluation, "casts_weights", False):  # a strategy is any callable: the flag is optional
             raise ConfigError("evaluation", "+evaluation=bf16/fp16 casts each parameter's .data, but FSDP gathers "
                               "blocks from its own flat shard buffers (the cast is not seen, and under inference "
                               "mode the gather fails)", "leave +evaluation out: with +precision=bf16 FSDP already "

@@ -1,6 +1,7 @@
 """What to change when a job does not fit, in the guides' order, and which engine to shard with."""
 from __future__ import annotations
 
+from ..accumulation import candidates
 from .activations import Activations
 from .budget import USABLE, Plan
 from .sharding import zero_per_rank
@@ -34,7 +35,6 @@ def recommendations(plan: Plan) -> list[str]:
         text = (f"largest micro-batch that fits at any accumulation: {best}" +
                 (" (a multiple of 8)" if best >= 8 else ""))
         if target:
-            from ..autobatch import candidates
             eights, small = candidates(target)
             micro = max([d for d in eights if d <= best] or [d for d in small if d <= best])
             text += (f"; for the global batch of {target}: batch_size={micro} accum_steps={target // micro} "
