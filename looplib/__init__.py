@@ -21,9 +21,9 @@ from .errors import ConfigError
 from .evaluation import Evaluation, HalfWeights, evaluate
 from .loop import fit
 from .objectives import SequenceCrossEntropy, TokenCrossEntropy
-from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
-                    list_optimizers, param_groups)
+from .optim import SGD, Adafactor, Adam8bit, AdamW, OptimizerFactory, list_optimizers, param_groups
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision
+from .schedule import Constant, Schedule, WarmupCosine
 from .telemetry import Telemetry
 from .train_state import TrainState
 

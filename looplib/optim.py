@@ -1,4 +1,4 @@
-"""Optimizer factories and learning-rate schedules.
+"""Optimizer factories (the group ``optim``; learning-rate schedules: ``looplib.schedule``).
 
 A factory holds settings from its config file (``conf/optim/<name>.yaml``) and builds the
 optimizer once the model exists: runtime objects are passed where they are used, never put
@@ -6,7 +6,6 @@ in config. Every factory shares one parameter-grouping policy, ``param_groups``.
 """
 from __future__ import annotations
 
-import math
 from importlib import resources
 from typing import Annotated, Literal
 
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, need
-from .schema import Beta, Fraction, NonNegative, Positive, Range
+from .schema import Beta, NonNegative, Positive, Range
 
 # The optimizer defaults, one set for the command line (conf/config.yaml's lr and weight_decay,
 # conf/optim/*.yaml), the classes below and ``train_model``; tests/test_validation.py holds them
@@ -192,34 +191,5 @@ def list_optimizers() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-# ---------------------------------------------------------------- learning-rate schedules
-
-
-class Schedule:
-    """Constant learning rate: the null schedule. ``factor(step)`` multiplies the base lr."""
-
-    def build(self, optimizer: torch.optim.Optimizer, total_steps: int):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.factor(step, total_steps))
-
-    def factor(self, step: int, total_steps: int) -> float:
-        return 1.0
-
-
-Constant = Schedule
-
-
-class WarmupCosine(Schedule):
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
-
-    def __init__(self, warmup_steps: NonNegative[int] = 25, min_ratio: Fraction = 0.1):
-        if warmup_steps < 0 or not 0.0 <= min_ratio <= 1.0:
-            raise ConfigError("schedule", f"warmup_steps={warmup_steps}, min_ratio={min_ratio}",
-                              "use warmup_steps >= 0 and 0 <= min_ratio <= 1")
-        self.warmup_steps, self.min_ratio = warmup_steps, min_ratio
-
-    def factor(self, step, total_steps):
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+# the schedules' old import path (conf/schedule names looplib.schedule now)
+from .schedule import Constant, Schedule, WarmupCosine  # noqa: E402,F401
