@@ -183,9 +183,3 @@ def default_seq_len(cap: int, _parent_) -> int:
         except Exception:  # noqa: BLE001 - no transformers, or a type it lacks: building the model says so
             positions = None
     return window(positions, int(cap))
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.seq_len"):
-        OmegaConf.register_new_resolver("looplib.seq_len", default_seq_len)
