@@ -132,3 +132,29 @@ def test_readme_table_lists_every_group():
     text = (REPO / "README.md").read_text()
     named = set(re.findall(r"^\| `\+?(\w+)=` \|", text, flags=re.M))
     assert named == set(conf_groups())
+
+
+def test_extending_names_the_module_of_every_options_class():
+    """Every option's ``_target_`` lies in a module the 'Where each group's built-in classes live'
+    table of docs/extending.md names for its group."""
+    import yaml
+
+    text = (REPO / "docs" / "extending.md").read_text().split("Where each group's built-in classes live", 1)[1]
+    modules = {}
+    for line in text.split("\n\n", 2)[1].splitlines():
+        m = re.match(r"\| `(\w+)` \|(.*)\|$", line)
+        if m:
+            modules[m.group(1)] = [re.sub(r"\.py$", "", path).rstrip("/").replace("/", ".")
+                                   for path in re.findall(r"`(looplib/[\w/.]+)`", m.group(2))]
+    assert set(modules) == set(conf_groups())
+    wrong, checked = [], 0
+    for group in conf_groups():
+        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+            config = yaml.safe_load(path.read_text()) or {}
+            targets = [config.get("_target_")] + [v.get("_target_") for v in config.values() if isinstance(v, dict)]
+            for target in filter(None, targets):
+                checked += 1
+                if not any(target == mod or target.startswith(mod + ".") for mod in modules[group]):
+                    wrong.append(f"{group}/{path.stem}: {target} (table: {modules[group]})")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= len(conf_groups()) * 2  # the YAML files were read
