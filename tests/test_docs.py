@@ -158,3 +158,36 @@ def test_extending_names_the_module_of_every_options_class():
                     wrong.append(f"{group}/{path.stem}: {target} (table: {modules[group]})")
     assert not wrong, "\n".join(wrong)
     assert checked >= len(conf_groups()) * 2  # the YAML files were read
+
+
+def test_every_looplib_name_and_path_the_docs_mention_exists():
+    """``looplib.x.Y`` names and ``looplib/...``, ``scripts/...``, ``tests/...``, ``conf/...`` paths in the
+    docs are real (a module renamed or moved shows up here, not in a reader's ImportError)."""
+    import importlib
+
+    def resolve(name):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+
+    missing, seen = [], 0
+    for doc in DOCS:
+        text = re.sub(r"\$\{looplib\.\w+", "", doc.read_text())  # ${looplib.seq_len:...}: resolvers, not names
+        for name in sorted(set(re.findall(r"\blooplib(?:\.[A-Za-z_]\w*)+", text))):
+            seen += 1
+            try:
+                resolve(name)
+            except AttributeError:
+                missing.append(f"{doc.relative_to(REPO)}: {name}")
+        for path in sorted(set(re.findall(r"(?<![\w/.])((?:looplib|scripts|tests|conf)/[\w./-]*\w)", text))):
+            seen += 1
+            if not (REPO / path).exists():
+                missing.append(f"{doc.relative_to(REPO)}: {path}")
+    assert not missing, "\n".join(missing)
+    assert seen > 30
