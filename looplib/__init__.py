@@ -18,15 +18,16 @@ from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
 from .errors import ConfigError
-from .evaluation import Evaluation, HalfWeights
-from .loop import TrainState, evaluate, fit
+from .evaluation import Evaluation, HalfWeights, evaluate
+from .loop import fit
 from .loss import SequenceCrossEntropy, TokenCrossEntropy
-from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
-                    list_optimizers, param_groups)
+from .optim import SGD, Adafactor, Adam8bit, AdamW, OptimizerFactory, list_optimizers, param_groups
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision
 from .signals import Interrupted
-from .state import NumericError, SaveError
+from .checkpoints import NumericError, SaveError
+from .schedule import Constant, Schedule, WarmupCosine
 from .telemetry import Telemetry
+from .train_state import TrainState
 
 __version__ = "0.1.0"
 

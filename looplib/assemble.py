@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,10 @@ from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
 from .settings import Settings
 from .signals import EXIT_INTERRUPTED, Signals
-from .state import Checkpoints, InvalidCheckpoint, TrainState
+from .checkpoint_files import write_atomic
+from .checkpoints import Checkpoints
+from .resume import resume
+from .train_state import TrainState
 from .telemetry import Telemetry, peak_flops
 
 log = logging.getLogger("looplib")
@@ -207,7 +209,7 @@ def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics:
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
-    if s.resume:
+    if s.resume:  # the Python API refuses resume without run_dir before building anything
         resume(checkpoints, state, s.resume, run_dir)
     if engine.is_main and run_dir is not None:
         write_atomic(run_dir / "config.yaml", job.record.text)
@@ -285,47 +287,6 @@ def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Pa
         return
     log.warning("%s at step %d: checkpoint saved. Continue with: %s", what, state.step,
                 record.resume_hint.format(run_dir=run_dir))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path | None) -> None:
-    """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
-    ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
-    ``state.inspect_checkpoint``) are skipped with a warning, or refused when named directly."""
-    if run_dir is None:
-        raise ConfigError("resume", f"resume={where} needs a run directory to write the continued run into",
-                          "pass run_dir=PATH (the directory of the run to continue)")
-    found: dict = {}
-    try:
-        path = checkpoints.find(run_dir if where == "auto" else Path(where), found)
-    except InvalidCheckpoint as err:
-        raise ConfigError("resume", f"{where} is not a valid checkpoint: {err}",
-                          "give a complete checkpoint (.../checkpoints/step-N) or a run directory, or use "
-                          "resume=auto") from None
-    if path is None:
-        if where != "auto":
-            raise ConfigError("resume", f"no valid checkpoint at {where}",
-                              "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
-        log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0", run_dir)
-    else:
-        accepted = checkpoints.load(path, state, found.get(path))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
-                 state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
-    metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
-    if checkpoints.is_main and metrics.exists():  # rows past the checkpoint came from the run that died
-        rows = []
-        for line in metrics.read_text().splitlines():
-            try:
-                if line.strip() and json.loads(line).get("step", 0) <= state.step:
-                    rows.append(line)
-            except (ValueError, AttributeError):  # a row cut short by a kill: dropped
-                pass
-        write_atomic(metrics, "".join(row + "\n" for row in rows))
 
 
 def mfu_settings(job: Job) -> dict:

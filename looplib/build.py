@@ -15,8 +15,8 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .engines.launch import register_resolvers
 from .errors import ConfigError
+from .resolvers import register_resolvers
 from .schema import check_options, parameters, refuse_unknown
 from .settings import Settings, settings_from
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, need
 from .schema import Positive
 
 OPTIONAL_INPUTS = ("attention_mask", "position_ids")
@@ -162,12 +162,9 @@ class LigerTokenCrossEntropy(ChunkedTokenCrossEntropy):
         if not torch.cuda.is_available():
             raise ConfigError("loss", "loss=lm_liger needs a CUDA GPU (liger-kernel's kernels are Triton)",
                               "use loss=lm_chunked (the same loss on PyTorch, any device)")
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        except ImportError as err:
-            raise ConfigError("loss", f"loss=lm_liger needs liger-kernel, which does not import ({err})",
-                              "pip install 'looplib[liger]', or use loss=lm_chunked") from None
-        self.fused = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="sum")
+        liger = need("liger_kernel.transformers", "liger", "loss", "loss=lm_liger", "use loss=lm_chunked",
+                     package="liger-kernel")
+        self.fused = liger.LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="sum")
 
     def __call__(self, model, batch) -> torch.Tensor:
         hidden = model(batch["input_ids"], hidden_only=True, **self.inputs(model, batch))

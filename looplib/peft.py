@@ -22,7 +22,7 @@ from typing import Literal
 from torch import nn
 
 from .engines.local import Engine
-from .errors import ConfigError
+from .errors import ConfigError, need
 from .models.gpt import GPT
 from .schema import Beta, Positive
 
@@ -142,9 +142,4 @@ def import_peft():
     # peft imports torchao when it is installed, and torchao registers enums with torch's pytree,
     # which logs two deprecation warnings per process: noise on every LoRA run's stderr
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    try:
-        import peft
-    except ImportError as err:
-        raise ConfigError("peft", f"LoRA needs the peft library, which does not import ({err})",
-                          "pip install 'looplib[peft]'") from None
-    return peft
+    return need("peft", "peft", "peft", "LoRA")

@@ -20,10 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 from . import assemble, loggers, rundir
 from .assemble import Job, Parts, Record
 from .build import check_config, instantiate, origin
-from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
+from .engines.launch import launched_rank, strip_launcher_args
 from .errors import EXIT_CONFIG, ConfigError
+from .checkpoints import EXIT_IO, EXIT_NUMERIC, NumericError, SaveError
+from .resolvers import register_resolvers
 from .signals import Interrupted, Signals
-from .state import EXIT_IO, EXIT_NUMERIC, NumericError, SaveError, TrainState
+from .train_state import TrainState
 
 log = logging.getLogger("looplib")
 register_resolvers()  # ${looplib.rank0_dir:...}: one run directory per run under torchrun

@@ -17,7 +17,8 @@ from looplib.engines import DDP, Engine
 from looplib.engines.launch import free_port
 from looplib.loop import TrainState, fit
 from looplib.loss import TokenCrossEntropy
-from looplib.optim import AdamW, WarmupCosine
+from looplib.optim import AdamW
+from looplib.schedule import WarmupCosine
 from looplib.precision import FP32
 from looplib.telemetry import Telemetry
 

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from looplib import SGD, Accumulation, ConfigError, TorchCompile, fit
-from looplib.loop import evaluate
+from looplib.evaluation import evaluate
 from looplib.precision import Precision
 from looplib.engines import Engine
 from looplib.loss import TokenCrossEntropy

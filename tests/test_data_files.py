@@ -21,7 +21,9 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.loss import TokenCrossEntropy
 from looplib.precision import FP32
-from looplib.state import Checkpoints, TrainState, find_checkpoint
+from looplib.checkpoint_files import find_checkpoint
+from looplib.checkpoints import Checkpoints
+from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
 from conftest import REPO, run_cli
@@ -456,7 +458,7 @@ def test_cli_text_run_and_bad_path(tmp_path):
 def test_vocab_size_follows_the_tokenizer(tok_file, tok):
     from hydra import compose, initialize_config_module
 
-    from looplib.engines.launch import register_resolvers
+    from looplib.resolvers import register_resolvers
     register_resolvers()  # as looplib.train does
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])

@@ -24,7 +24,9 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import FP32
 from looplib.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted, Signals
-from looplib.state import Checkpoints, InvalidCheckpoint, TrainState, find_checkpoint, is_valid
+from looplib.checkpoint_files import InvalidCheckpoint, find_checkpoint, is_valid
+from looplib.checkpoints import Checkpoints
+from looplib.train_state import TrainState
 
 from conftest import REPO, run_cli
 
@@ -158,7 +160,7 @@ def rewrite_manifest(path: Path, edit) -> None:
 
 def refresh(path: Path, name: str) -> None:
     """Make the manifest agree with a changed file (as a careless copy or an attacker would)."""
-    from looplib.state import sha256
+    from looplib.checkpoint_files import sha256
 
     def edit(m):
         m["files"][name] = {"size": (path / name).stat().st_size, "sha256": sha256(path / name)}
@@ -279,7 +281,7 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
     import errno
 
-    from looplib.state import SaveError
+    from looplib.checkpoints import SaveError
     ckpt = three_checkpoints(tmp_path)
     before = files(tmp_path)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from looplib import ConfigError
 from looplib.compile import TorchCompile
-from looplib.loop import evaluate
+from looplib.evaluation import evaluate
 from looplib.engines import Engine
 from looplib.models import GPT
 from looplib.loss import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy

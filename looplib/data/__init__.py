@@ -17,7 +17,6 @@ from .records import ClassificationCorpus, InstructCorpus
 from .synthetic import RandomCorpus, RandomTokens
 from .loading import EpochSampler, Epochs, build_loader
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
-from .tokenizer import register_resolvers
 
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need
 
 log = logging.getLogger("looplib")
 
@@ -93,11 +93,7 @@ def transformers_tokenizer(path: Path, key: str):
     """A directory without tokenizer.json: transformers' fast tokenizer (converted from a slow one)."""
     if not path.is_dir():
         raise ConfigError(key, f"{path} is not a tokenizer.json", "give a model directory or a tokenizer.json")
-    try:
-        import transformers
-    except ImportError as err:
-        raise ConfigError(key, f"{path} has no tokenizer.json, and reading its tokenizer needs transformers ({err})",
-                          "pip install 'looplib[hf]'") from None
+    transformers = need("transformers", "hf", key, f"{path} has no tokenizer.json; reading its tokenizer")
     transformers.logging.set_verbosity_error()
     try:
         hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -207,12 +203,6 @@ def tokenizer_size(spec, default: int) -> int:
         return int(default)
 
 
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.vocab_size"):
-        OmegaConf.register_new_resolver("looplib.vocab_size", tokenizer_size, use_cache=True)
-
-
 class ChatTemplate:
     """Renders chat ``messages`` with a model directory's chat template through transformers'
     ``apply_chat_template`` (imported only for chat records) and splits the text into
@@ -224,11 +214,7 @@ class ChatTemplate:
             raise ConfigError(key, "the records hold chat messages, but the tokenizer has no chat template",
                               "set data.tokenizer to a model directory whose tokenizer has one, "
                               "or write prompt/completion records")
-        try:
-            import transformers
-        except ImportError as err:
-            raise ConfigError(key, f"chat records need transformers to render the chat template ({err})",
-                              "pip install 'looplib[hf]'") from None
+        transformers = need("transformers", "hf", key, "rendering the chat template of chat records")
         transformers.logging.set_verbosity_error()
         self.hf = transformers.AutoTokenizer.from_pretrained(info.source, local_files_only=True)
         self.hf.chat_template = info.chat_template

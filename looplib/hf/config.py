@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -20,11 +20,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 
 def import_transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise ConfigError("model", f"this model needs transformers, which does not import ({err})",
-                          "pip install 'looplib[hf]'") from None
+    transformers = need("transformers", "hf", "model", "this model")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
     return transformers
@@ -183,9 +179,3 @@ def default_seq_len(cap: int, _parent_) -> int:
         except Exception:  # noqa: BLE001 - no transformers, or a type it lacks: building the model says so
             positions = None
     return window(positions, int(cap))
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.seq_len"):
-        OmegaConf.register_new_resolver("looplib.seq_len", default_seq_len)
