@@ -132,3 +132,62 @@ def test_readme_table_lists_every_group():
     text = (REPO / "README.md").read_text()
     named = set(re.findall(r"^\| `\+?(\w+)=` \|", text, flags=re.M))
     assert named == set(conf_groups())
+
+
+def test_extending_names_the_module_of_every_options_class():
+    """Every option's ``_target_`` lies in a module the 'Where each group's built-in classes live'
+    table of docs/extending.md names for its group."""
+    import yaml
+
+    text = (REPO / "docs" / "extending.md").read_text().split("Where each group's built-in classes live", 1)[1]
+    modules = {}
+    for line in text.split("\n\n", 2)[1].splitlines():
+        m = re.match(r"\| `(\w+)` \|(.*)\|$", line)
+        if m:
+            modules[m.group(1)] = [re.sub(r"\.py$", "", path).rstrip("/").replace("/", ".")
+                                   for path in re.findall(r"`(looplib/[\w/.]+)`", m.group(2))]
+    assert set(modules) == set(conf_groups())
+    wrong, checked = [], 0
+    for group in conf_groups():
+        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+            config = yaml.safe_load(path.read_text()) or {}
+            targets = [config.get("_target_")] + [v.get("_target_") for v in config.values() if isinstance(v, dict)]
+            for target in filter(None, targets):
+                checked += 1
+                if not any(target == mod or target.startswith(mod + ".") for mod in modules[group]):
+                    wrong.append(f"{group}/{path.stem}: {target} (table: {modules[group]})")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= len(conf_groups()) * 2  # the YAML files were read
+
+
+def test_every_looplib_name_and_path_the_docs_mention_exists():
+    """``looplib.x.Y`` names and ``looplib/...``, ``scripts/...``, ``tests/...``, ``conf/...`` paths in the
+    docs are real (a module renamed or moved shows up here, not in a reader's ImportError)."""
+    import importlib
+
+    def resolve(name):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+
+    missing, seen = [], 0
+    for doc in DOCS:
+        text = re.sub(r"\$\{looplib\.\w+", "", doc.read_text())  # ${looplib.seq_len:...}: resolvers, not names
+        for name in sorted(set(re.findall(r"\blooplib(?:\.[A-Za-z_]\w*)+", text))):
+            seen += 1
+            try:
+                resolve(name)
+            except AttributeError:
+                missing.append(f"{doc.relative_to(REPO)}: {name}")
+        for path in sorted(set(re.findall(r"(?<![\w/.])((?:looplib|scripts|tests|conf)/[\w./-]*\w)", text))):
+            seen += 1
+            if not (REPO / path).exists():
+                missing.append(f"{doc.relative_to(REPO)}: {path}")
+    assert not missing, "\n".join(missing)
+    assert seen > 30
