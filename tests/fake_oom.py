@@ -15,3 +15,15 @@ class GPTThatOOMs(GPT):
         if input_ids.shape[0] > self.oom_above:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected above {self.oom_above})")
         return logits
+
+
+class GPTThatDiverges(GPTThatOOMs):
+    """Also a NaN loss at one micro-batch size (``nan_at``): for looplib.tune's diverged rows."""
+
+    def __init__(self, *args, nan_at: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_at = nan_at
+
+    def forward(self, input_ids):
+        logits = super().forward(input_ids)
+        return logits * float("nan") if input_ids.shape[0] == self.nan_at else logits

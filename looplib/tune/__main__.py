@@ -58,6 +58,8 @@ def memory_limit(tune, device) -> tuple[int | None, str]:
         what = f"{torch.cuda.get_device_name(device)}'s {total / 2**30:.0f} GiB"
     else:
         return None, "no limit on the CPU (set tune.memory_gib to plan for one)"
+    if device.type != "cuda":
+        what += " (on the CPU the limit holds the plan; the measured resident memory also counts the process's own)"
     return int(total * (1 - tune.margin)), f"{what}, {tune.margin:.0%} kept free"
 
 
@@ -135,7 +137,8 @@ def run(argv: list[str]) -> int:
             finish(result, run_dir)
         return 0
     job = job_without_measurement(cmd.job)
-    search = Search(space, job, cmd.tune, run_dir, planner(job, space, size), limit, world, Progress(main))
+    search = Search(space, job, cmd.tune, run_dir, planner(job, space, size), limit, world,
+                    limit_measured=device.type == "cuda", progress=Progress(main))
     interrupted = False
     try:
         if cmd.tune.dry_run:
@@ -157,6 +160,11 @@ def run(argv: list[str]) -> int:
                   "overrides": best_row.overrides, "candidate": best.label(),
                   "command": command(without(cmd.job, best_row.overrides), best_row.overrides, launcher(size)),
                   "samples_per_s": best_row.speed}}
+    if world:  # every rank took the same decisions from the same agreed outcomes: checked, not assumed
+        result["ranks"] = world.gather(result["best"] and result["best"]["candidate"])
+        if len(set(result["ranks"])) != 1:
+            raise ConfigError("tune", f"the ranks chose different candidates ({result['ranks']})",
+                              "this is a bug in looplib.tune: please report it with tune.json")
     if main:
         write(run_dir, result)
         if not interrupted and not cmd.tune.dry_run:

@@ -135,10 +135,14 @@ class World:
         return env
 
     def agree(self, outcome: Outcome) -> Outcome:
-        everyone = [None] * self.size
-        self.dist.all_gather_object(everyone, outcome)
+        everyone = self.gather(outcome)
         worst = max(everyone, key=lambda o: SEVERITY.index(o.status))
         return everyone[0] if worst.status == "measured" else worst
+
+    def gather(self, obj) -> list:
+        everyone = [None] * self.size
+        self.dist.all_gather_object(everyone, obj)
+        return everyone
 
     def broadcast(self, obj):
         box = [obj]

@@ -53,6 +53,8 @@ class Search:
     plan: Callable[[Candidate], int | None]   # planned bytes per rank (None: the planner cannot say)
     limit: int | None                 # bytes a candidate may plan (after the margin); None: no limit
     world: object = None              # measure.World under torchrun
+    limit_measured: bool = True       # the measured peak is held to the limit too (CUDA: allocated bytes,
+                                      # comparable to the plan; the CPU's RSS also counts Python's own memory)
     progress: Callable[[Row, "Search"], None] = lambda row, search: None
     rows: list[Row] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -100,6 +102,9 @@ class Search:
     def check_numerics(self, row: Row) -> None:
         """Compare the candidate's loss with the reference's on the same batches."""
         ref = self.reference
+        if row.status == "measured" and not row.candidate.changes_numerics and (ref is None or ref.status != "measured"):
+            self.reference = row  # the job as given did not run (pruned, out of memory): the first same-math row
+            return
         if row.status != "measured" or ref is None or ref is row or ref.status != "measured":
             return
         delta = row.outcome.loss - ref.outcome.loss
@@ -115,7 +120,7 @@ class Search:
 
     # ---------------------------------------------------------------- the stages
     def run(self) -> list[Row]:
-        self.reference = self.try_(Candidate(), "the job as given")
+        self.try_(Candidate(), "the job as given")
         self.batch_and_checkpointing()
         base = self.best() or Candidate()
         improved = {}
@@ -128,6 +133,10 @@ class Search:
         if len(improved) > 1:
             combined = self.try_(base.with_(**improved), "the winners together")
             self.one_larger(combined)
+        for row in self.rows:
+            if row.status == "measured" and not self.within_limit(row):
+                row.reason = (f"measured {row.outcome.peak_mem_mb:,.0f} MB, above the memory limit: not chosen "
+                              "(the plan was under it)")
         return self.rows
 
     def batch_and_checkpointing(self) -> None:
@@ -173,7 +182,8 @@ class Search:
     def within_limit(self, row: Row) -> bool:
         """The measured peak within the memory limit (when one is given)."""
         peak = row.outcome.peak_mem_mb if row.outcome else None
-        return self.limit is None or peak is None or peak * MB <= self.limit / (1 - self.tune.margin)
+        return (self.limit is None or not self.limit_measured or peak is None
+                or peak * MB <= self.limit / (1 - self.tune.margin))
 
     def best(self) -> Candidate | None:
         """The fastest measured candidate within the memory limit; where a simpler one (fewer

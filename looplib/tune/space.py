@@ -152,4 +152,10 @@ def build_space(tune: Tune, job: list[str], settings, device: torch.device, worl
                                   f"choose among {', '.join(chosen)}")
             chosen = [chosen[0]] + [o for o in tune.options[dim] if o != chosen[0]]
         space.options[dim] = chosen
+    for dim in tune.options:
+        if dim not in space.options:
+            why = ("pinned on the command line" if dim in pinned else "not searched (tune.search)" if dim not in wanted
+                   else "searched only with tune.numerics=allow" if dim in NUMERICS and tune.numerics != "allow"
+                   else "not available here (engines need several processes: torchrun)")
+            raise ConfigError(f"tune.options.{dim}", f"{dim} is {why}", f"drop tune.options.{dim}")
     return space
