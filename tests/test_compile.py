@@ -9,7 +9,7 @@ from looplib import SGD, Accumulation, ConfigError, TorchCompile, fit
 from looplib.evaluation import evaluate
 from looplib.precision import Precision
 from looplib.engines import Engine
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 
 from conftest import REPO, random_tokens, tiny_gpt
 

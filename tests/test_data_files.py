@@ -19,7 +19,7 @@ from looplib.data import (ClassificationCorpus, Epochs, InstructCorpus, RandomCo
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 from looplib.precision import FP32
 from looplib.checkpoint_files import find_checkpoint
 from looplib.checkpoints import Checkpoints
@@ -297,7 +297,7 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
         from looplib.data import TokenWindows, build_loader
         from looplib.data.cache import load
         from looplib.models import GPT
-        from looplib.objectives import TokenCrossEntropy
+        from looplib.loss import TokenCrossEntropy
         data, loss = load(pathlib.Path({str(root)!r})), TokenCrossEntropy()
         train = TokenWindows(data, np.arange(1), 1024)
         model = GPT(vocab_size=64, seq_len=1024, n_layer=1, n_head=1, d_model=16)

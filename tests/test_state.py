@@ -13,7 +13,7 @@ from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 from looplib.checkpoint_files import find_checkpoint, is_valid
 from looplib.checkpoints import Checkpoints, NumericError
 from looplib.resume import check_resume_config

@@ -143,35 +143,49 @@ def specials(tok) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str) -> TokenizerInfo:
+def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
+                    root: Path | None = None) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
-    cached under ``$LOOPLIB_CACHE/tokenizer-KEY/`` (written to a temporary directory, then renamed)."""
+    cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
+    temporary directory, then renamed). A cached file that does not load is trained again."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
-    target = cache_root() / f"tokenizer-{key}"
-    if not (target / "tokenizer.json").is_file():
-        def limited():
-            seen = 0
-            for text in texts():
-                yield text
-                seen += len(text)
-                if seen >= TRAIN_BYTES:
-                    return
+    target = (root or cache_root()) / f"tokenizer-{key}"
+    if (target / "tokenizer.json").is_file():
+        try:
+            tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+            return TokenizerInfo(tok, source=None, eos_id=tok.token_to_id(EOT), pad_id=tok.token_to_id(EOT))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+            log.warning("the cached tokenizer %s is unreadable (%s): training it again", target,
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+            shutil.rmtree(target, ignore_errors=True)
 
-        log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
-        bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                                show_progress=False)
+    def limited():
+        seen = 0
+        for text in texts():
+            yield text
+            seen += len(text)
+            if seen >= TRAIN_BYTES:
+                return
+
+    log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                            show_progress=False)
+    try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-        try:
-            bpe.save(str(tmp / "tokenizer.json"))
-            os.rename(tmp, target)
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:
+        raise ConfigError("data", f"cannot write the tokenizer cache {target} ({err})",
+                          "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    try:
+        bpe.save(str(tmp / "tokenizer.json"))
+        os.rename(tmp, target)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
     return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..checkpointing import ActivationCheckpointing, Checkpointing
-from ..objectives import SequenceCrossEntropy
+from ..loss import SequenceCrossEntropy
 from .static import nbytes
 
 
