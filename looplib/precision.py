@@ -19,6 +19,7 @@ class Precision:
     """fp32: plain PyTorch. Every other precision overrides two or three of these methods."""
 
     name = "fp32"
+    dtype: torch.dtype | None = None  # the autocast dtype (None: no autocast, weights as they are)
     scaler: torch.amp.GradScaler | None = None
 
     def __init__(self, skip_nonfinite: bool = True):

@@ -190,7 +190,7 @@ class DeepSpeed(Distributed):
     @staticmethod
     def precision_sections(precision) -> dict:
         """bf16/fp16 sections from the precision strategy (by its dtype, so subclasses map too)."""
-        dtype = getattr(precision, "dtype", None)
+        dtype = precision.dtype
         if dtype == torch.bfloat16:
             return {"bf16": {"enabled": True}}
         if dtype != torch.float16:

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..optim import built_class
+from ..precision import Precision
 from ..schema import Positive
 from . import launch
 from .distributed import Distributed, class_name
@@ -101,6 +102,7 @@ class FSDP(Distributed):
             raise ConfigError("engine.block_names", err.problem, err.fix) from None
         self.reshard_after_forward, self.offload, self.reduce_dtype = reshard_after_forward, offload, reduce_dtype
         self.model = self.optimizer = self.precision = None  # what checkpoints save, once prepared
+        self.mp_policy = None  # from the precision, in check (or setup)
         self.geometry: dict = {}
 
     # ---------------------------------------------------------------- build time
@@ -127,7 +129,7 @@ class FSDP(Distributed):
 
     def policy(self, precision):
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        dtype = getattr(precision, "dtype", None)
+        dtype = precision.dtype
         if dtype not in DTYPES:  # fp32, tf32: fp32 parameters, fp32 reduction
             return MixedPrecisionPolicy()
         reduce = torch.float32 if self.reduce_dtype == "float32" else dtype
@@ -145,7 +147,7 @@ class FSDP(Distributed):
         if not units:
             log.warning("FSDP: no module matches engine.blocks / engine.block_names: the whole model is one "
                         "unit, gathered whole on every rank (parameters gain nothing from sharding)")
-        mp_policy = getattr(self, "mp_policy", None) or self.policy(None)
+        mp_policy = self.mp_policy or self.policy(Precision())
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.offload == "cpu" else OffloadPolicy()
         # The model stays where it was built (the CPU): fully_shard moves one unit at a time to
         # the mesh's device and shards it there, so no rank ever holds the whole model on the
@@ -169,7 +171,7 @@ class FSDP(Distributed):
         return model
 
     def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
-        if getattr(precision, "scaler", None) is not None:  # fp16: inf/NaN agreed across ranks
+        if precision.scaler is not None:  # fp16: inf/NaN agreed across ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
             precision.scaler = ShardedGradScaler(self.device.type, **precision.scaler_args)
         self.model, self.optimizer, self.precision = model, optimizer, precision

@@ -87,7 +87,7 @@ def build_plan(cfg: DictConfig, world: int = 1, memory: int | None = None) -> Pl
         model = instantiate(cfg, "model")
         model_name = type(model).__name__
         model = peft.wrap(model)
-    dtype = getattr(precision, "dtype", None)
+    dtype = precision.dtype
     seq_len = getattr(model, "seq_len", None) or cfg.data.get("seq_len")
     plain, ckpt, chosen = activation_estimates(model, objective, int(seq_len), dtype, checkpointing)
     device = resolve_device(settings.device)
@@ -96,7 +96,7 @@ def build_plan(cfg: DictConfig, world: int = 1, memory: int | None = None) -> Pl
     else:
         name = "given"
     n = sum(p.numel() for p in unique_params(model, trainable=True))
-    plan = Plan(model_name, n, getattr(precision, "name", type(precision).__name__),
+    plan = Plan(model_name, n, precision.name,
                 type(factory).__name__, settings.batch_size, settings.accum_steps, settings.global_batch_size,
                 weight_bytes(model), autocast_copy_bytes(model, dtype), gradient_bytes(model),
                 optimizer_state_bytes_of(factory, model), plain, ckpt,
