@@ -51,12 +51,14 @@ def multiple(value, base) -> str:
 
 
 def markdown(result: dict) -> str:
-    rows, ref = result["rows"], result["rows"][0] if result["rows"] else {}
+    rows = result["rows"]
+    ref = next((r for r in rows if r["samples_per_s"]), {})  # the job as given, or the first row that ran
     base_speed, base_mem = ref.get("samples_per_s"), ref.get("peak_mem_mb")
     lines = [f"# looplib.tune: {result['device']}", "",
              f"The job: `{command(result['job'], [])}`", "",
              f"Memory: {result['memory']}. Peak memory measures {result.get('peak_mem_measures', 'the peak')}.",
-             "Speed and memory are multiples of the job as given (the first row); samples/s is the median of "
+             f"Speed and memory are multiples of `{ref.get('candidate', '-')}` (the job as given when it ran); "
+             "samples/s is the median of "
              f"{result['tune']['repeats']} timed repeats of {result['tune']['steps']} steps, spread = (max - min) / median.",
              "", "| candidate | status | samples/s | spread | speed | peak MB | memory | planned MB | compile s | "
              "loss delta | reason |", "|---|---|---|---|---|---|---|---|---|---|---|"]
