@@ -24,6 +24,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from . import cli
 from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
@@ -120,6 +121,14 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._check(config, "hydra.sweep.dir")
+        path = as_rank0(config, "hydra.sweep.dir")
+        cli.sweep_started(path, fresh=path is not None and not path.exists())
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        cli.job_started()
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        cli.job_ended()
 
 
 def forget(path: Path, fresh: bool) -> None:

@@ -288,5 +288,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = strip_launcher_args(sys.argv)  # deepspeed --module looplib.train adds --local_rank=N
-    main()
+    from .cli import run as run_cli
+    run_cli(main)  # both spellings of a group; Hydra's refusals as one line (deepspeed's --local_rank dropped)
