@@ -16,6 +16,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from .engines import launch
 from .engines.launch import register_resolvers
 from .errors import ConfigError
 from .optim import LR, WEIGHT_DECAY
@@ -157,8 +158,9 @@ def check_global_batch(s: Settings) -> None:
 def fill_strategy_defaults(cfg: DictConfig) -> None:
     """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
     A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
+    defaults = {**STRATEGY_DEFAULTS, **launch.launcher_defaults(cfg)}  # torchrun without +engine: DDP
     with open_dict(cfg):
-        for group, option in STRATEGY_DEFAULTS.items():
+        for group, option in defaults.items():
             node = cfg.get(group)
             if node is None or (isinstance(node, DictConfig) and "_target_" not in node):
                 default = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")

@@ -34,6 +34,43 @@ def launched_rank() -> int:
     return 0
 
 
+def launched_world() -> tuple[int, str]:
+    """How many processes the launcher started for this job, and which launcher it was (no
+    process group needed): torchrun and the ``deepspeed`` launcher set WORLD_SIZE; a SLURM
+    job step with several tasks has SLURM_NTASKS."""
+    if "WORLD_SIZE" in os.environ:
+        who = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
+               else "SLURM" if "SLURM_PROCID" in os.environ else "the launcher")
+        return int(os.environ["WORLD_SIZE"]), who
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_NTASKS"]), "SLURM"
+    return 1, ""
+
+
+def launcher_defaults(cfg) -> dict:
+    """Strategy defaults the launcher decides: several processes and no engine chosen -> DDP
+    (one run whose gradients are averaged, not N copies of the same job). Said in a log line."""
+    world, who = launched_world()
+    node = cfg.get("engine")
+    if world <= 1 or (node is not None and "_target_" in node):
+        return {}
+    if launched_rank() == 0:
+        logging.getLogger("looplib").info(
+            "%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
+            "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
+    return {"engine": "ddp"}
+
+
+def refuse_several_processes(engine_name: str) -> None:
+    """An engine that runs in one process only, started by a launcher as one of several: every
+    rank refuses (``ConfigError``) before it trains a copy of the job of its own."""
+    world, who = launched_world()
+    if world > 1:
+        raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
+                          "(each would train its own copy of the job)",
+                          "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")
+
+
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra's parser refuses;
     it sets LOCAL_RANK in the environment too, which is what looplib reads."""

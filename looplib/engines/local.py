@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import launch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,8 +46,11 @@ class Engine:
     """Single process. Subclasses (DDP, DeepSpeed) override the verbs that differ."""
 
     rank, world_size = 0, 1
+    several_processes = False  # True: runs as one rank of several (a launcher's); see launch.refuse_several_processes
 
     def __init__(self, device: str | torch.device = "auto"):
+        if not self.several_processes:
+            launch.refuse_several_processes("Local" if type(self) is Engine else type(self).__name__)
         self.device = resolve_device(str(device))
 
     def check(self, settings, precision, optim) -> None:

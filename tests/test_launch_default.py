@@ -1,0 +1,68 @@
+"""Launchers (issue 21): several processes and no engine chosen train one run with DDP (said in a
+log line), not N copies of the job; two torchrun agents as two "nodes" train the same run as one
+node with two processes; an engine that runs in one process is refused by every rank."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_cli
+from looplib.engines.launch import free_port
+
+JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
+       "eval_batches=1", "sample_tokens=0", "checkpoint.enabled=false", "batch_size=4", "model.n_layer=1",
+       "model.d_model=32", "model.n_head=2", "model.seq_len=16", "progress=lines"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "looplib.train", *JOB]
+
+
+def losses(cwd) -> list[float]:
+    runs = list((cwd / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs  # one run, one directory
+    rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert "_target_: looplib.engines.DDP" in (runs[0] / "config.yaml").read_text()
+    return [m["loss"] for m in rows if "loss" in m]
+
+
+def test_torchrun_without_an_engine_trains_ddp_and_two_nodes_match_one(tmp_path):
+    one, two = tmp_path / "one_node", tmp_path / "two_nodes"
+    one.mkdir(), two.mkdir()
+    r = subprocess.run(torchrun("--nproc_per_node", "2", "--master_port", str(free_port())), cwd=one, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "no engine was chosen" in line]
+    assert len(said) == 1 and "torchrun started 2 processes" in said[0] and "+engine=ddp" in said[0], said
+    assert (r.stdout + r.stderr).count("step 3/3") == 1  # one voice, not every line twice
+    reference = losses(one)
+    assert len(reference) == 3
+
+    # the documented multi-node line: each node runs the same command (one process per node here)
+    port = free_port()
+    agents = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                                        "--rdzv_endpoint", f"127.0.0.1:{port}"),
+                               cwd=two, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert losses(two) == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_an_engine_of_one_process_is_refused_by_every_rank(tmp_path, rank):
+    env = {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "x"}
+    r = run_cli("+engine=local", *JOB, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    if rank == "0":  # rank 0 speaks for every rank
+        assert len(lines) == 1 and lines[0].startswith("looplib: error: engine: Local runs in one process, but "
+                                                        "torchrun started 2"), r.stderr
+        assert "+engine=ddp" in lines[0]
+    else:
+        assert lines == [], r.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
