@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import autobatch, loggers, rundir
 from .accumulation import Accumulation
+from .cli import small_data
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
@@ -94,6 +95,8 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
         train = build_loader(job.corpus.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
                              rank=engine.rank, world=engine.world_size, collate_fn=collate, **loader_args)
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
+    micro_batch = small_data(len(job.corpus.train) if hasattr(job.corpus.train, "__len__") else None,
+                             s.batch_size, s.accum_steps, engine.world_size)  # warned when the data is smaller
     held_out = build_loader(job.corpus.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
                             device=engine.device, collate_fn=collate)
     eval_batches = [b for _, b in zip(range(s.eval_batches), held_out)]
@@ -128,7 +131,7 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
     n_params = sum(p.numel() for p in job.model.parameters())
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
              "optimizer %s", type(job.model).__name__, n_params / 1e6, engine.device, state.step + 1,
-             s.max_steps, s.batch_size, s.accum_steps,
+             s.max_steps, micro_batch, s.accum_steps,
              getattr(job.precision, "name", type(job.precision).__name__), type(optimizer).__name__)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
@@ -154,7 +157,8 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
         finally:
             telemetry.close()  # trackers not finished above end as failed
         if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
-            print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
+            with signals.at_once():  # a signal stops the sample at once, the run ends as finished
+                print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     log.info("done: %s", run_dir)
     return state
 
@@ -220,7 +224,9 @@ def mfu_settings(job: Job) -> dict:
             "peak_flops": peak_flops(job.engine.device, precision, job.settings.peak_tflops)}
 
 
-def print_sample(job: Job, n_tokens: int) -> None:
+def print_sample(job: Job, n_tokens: int, run_dir: Path | None = None) -> None:
+    """A sample from the trained model: printed, and saved as ``<run dir>/sample.txt``."""
+    log.info("sampling %d tokens from the trained model", n_tokens)
     prompt = job.corpus.sample_prompt() if hasattr(job.corpus, "sample_prompt") else "def "
     ids = torch.tensor([job.corpus.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
@@ -229,6 +235,8 @@ def print_sample(job: Job, n_tokens: int) -> None:
     text = job.corpus.decode(out[0].tolist())
     if job.engine.is_main:
         print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
+        if run_dir is not None:
+            write_atomic(run_dir / "sample.txt", text + "\n")
 
 
 def say(line: str) -> None:
