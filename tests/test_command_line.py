@@ -1,0 +1,151 @@
+"""The command line forgives and explains (issue 21): both spellings of a group, Hydra's refusals as
+looplib's one line (exit 2, nothing written), resume=auto without a run directory, small data said,
+stdout for progress and stderr for problems, the sample saved and stopped at once by a signal."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+        "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0",
+        "checkpoint.enabled=false", "progress=lines", "max_steps=2"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def everything(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_both_spellings_of_a_group_make_the_same_run(tmp_path):
+    """precision=bf16 and +precision=bf16 (a strategy group), model=tiny and +model=tiny (a job group)."""
+    configs = []
+    for spelled in (["precision=bf16", "+model=tiny"], ["+precision=bf16", "model=tiny"]):
+        run_dir = tmp_path / f"run{len(configs)}"
+        r = run_cli(*spelled, *TINY, f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+        assert r.returncode == 0, r.stderr
+        configs.append((run_dir / "config.yaml").read_text())
+    assert "_target_: looplib.precision.BF16" in configs[0]
+    assert configs[0] == configs[1]
+
+
+KEYS = [  # Hydra's "use +key=value" followed, then looplib's check names the closest setting (in the job)
+    (["max_step=10"], "max_step: ", "did you mean max_steps?"),
+    (["+max_step=10"], "max_step: ", "did you mean max_steps?"),
+    (["model.n_layr=3"], "model.n_layr: ", "did you mean model.n_layer?"),
+]
+
+
+@pytest.mark.parametrize("args,start,names", KEYS, ids=[" ".join(a) for a, _, _ in KEYS])
+def test_an_unknown_key_with_or_without_plus_is_one_line_exit_2_nothing_written(tmp_path, args, start, names):
+    r = run_cli(*args, "data=random", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert len(lines(r.stderr)) == 1 and lines(r.stderr)[0].startswith(f"looplib: error: {start}"), r.stderr
+    assert names in r.stderr and "Traceback" not in r.stderr
+    assert everything(tmp_path) == []  # no outputs/, no .hydra/, nothing
+
+
+REFUSED = [  # refused by Hydra as it composes: checked in this process (no job starts)
+    (["+optim=adam"], "optim: there is no option 'adam'", "did you mean adamw or adam8bit"),
+    (["optim=adam"], "optim: there is no option 'adam'", "(+optim=adamw)"),
+    (["model=gpt"], "model: there is no option 'gpt'", "(model=gpt2_small)"),
+    (["lr=1e-3,3e-4"], "lr: 'lr=1e-3,3e-4' holds several values", "add -m"),
+    (["lr=[1e-3"], "lr: cannot read the argument 'lr=[1e-3'", "override_grammar"),
+]
+
+
+@pytest.mark.parametrize("args,start,names", REFUSED, ids=[" ".join(a) for a, _, _ in REFUSED])
+def test_hydras_refusals_are_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, args, start, names):
+    from looplib import cli
+    from looplib.train import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli.run(main, [*args, "data=random"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(lines(err)) == 1 and lines(err)[0].startswith(f"looplib: error: {start}"), err
+    assert names in err
+    assert everything(tmp_path) == []
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_hydra_full_error_still_shows_hydras_report(tmp_path):
+    r = run_cli("+optim=adam", "data=random", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert r.returncode == 1
+    assert "Could not find 'optim/adam'" in r.stderr and "Traceback" in r.stderr
+    assert "looplib: error" not in r.stderr
+
+
+def test_a_refused_multirun_leaves_no_sweep_directory(tmp_path):
+    for args in (["lr=[1e-3,3e-4]"], ["+optim=adam,sgd"]):  # refused by looplib in the job, by Hydra before it
+        r = run_cli("-m", *args, *TINY, cwd=tmp_path, env=ENV)
+        assert r.returncode == 2, r.stderr
+        assert len(lines(r.stderr)) == 1 and r.stderr.startswith("looplib: error: "), r.stderr
+        assert everything(tmp_path) == []  # no multirun/<date>/<time>/multirun.yaml
+
+
+def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path):
+    r = run_cli("resume=auto", *TINY, cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert lines(r.stderr) == [r.stderr.strip()] and "no run under outputs/ has a checkpoint" in r.stderr
+    assert everything(tmp_path) == []
+
+    saved = [a for a in TINY if not a.startswith(("checkpoint.", "max_steps"))] + ["max_steps=1"]
+    r = run_cli(*saved, cwd=tmp_path, env=ENV)  # a run with a checkpoint, in outputs/
+    assert r.returncode == 0, r.stderr
+    [earlier] = [p.relative_to(tmp_path) for p in (tmp_path / "outputs").glob("*/*")]
+    before = everything(tmp_path)
+    r = run_cli("resume=auto", *TINY, cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr
+    [line] = lines(r.stderr)
+    assert f"the most recent run with a checkpoint is {earlier} (step 1)" in line
+    assert line.endswith(f"continue it with: python -m looplib.train resume=auto {' '.join(TINY)} "
+                         f"hydra.run.dir={earlier}")
+    assert everything(tmp_path) == before  # no new run directory: never a silent fresh start
+
+
+def test_progress_on_stdout_problems_on_stderr_small_data_said_sample_saved(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(*TINY, "data.n_train=3", "batch_size=32", "accum_steps=4", "sample_tokens=6",
+                f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 0, r.stderr
+    [warning] = lines(r.stderr)  # the one problem, on stderr only
+    assert "[WARNING] - small data: batch_size=32 is larger than the 3 training sequences" in warning
+    assert "fewer than accum_steps=4" in warning and "3 x 4 sequences" in warning
+    assert "small data" not in r.stdout
+    assert "steps 1-2 of 3 x 4 sequences" in r.stdout and "step 2/2" in r.stdout  # the real micro-batch
+    sample = (run_dir / "sample.txt").read_text()
+    assert sample.strip() and sample.strip() in r.stdout
+
+
+def test_a_signal_during_the_sample_stops_it_at_once_and_the_run_ends_as_done(tmp_path):
+    """The sample would take hours; SIGTERM while it runs ends the run as finished (exit 0)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "looplib.train", *TINY, "sample_tokens=100000000",
+                             f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", **ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "sampling 100000000 tokens" in line:
+            break
+    time.sleep(0.5)  # well inside the sample
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "done: " in out and "Traceback" not in out
+    assert (run_dir / "model.safetensors").exists() and not (run_dir / "sample.txt").exists()
+    assert [json.loads(x)["status"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "status" in json.loads(x)][-1:] in ([], ["finished"])
