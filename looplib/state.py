@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,9 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
 def read_state(path: Path) -> dict:
     """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code."""
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol N" note: the refusal below says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise InvalidCheckpoint(f"state.pt holds objects other than tensors and plain containers and was "
                                 f"not unpickled ({str(err).splitlines()[0]})") from None

@@ -149,3 +149,18 @@ def test_a_signal_during_the_sample_stops_it_at_once_and_the_run_ends_as_done(tm
     assert (run_dir / "model.safetensors").exists() and not (run_dir / "sample.txt").exists()
     assert [json.loads(x)["status"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
             if "status" in json.loads(x)][-1:] in ([], ["finished"])
+
+
+def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warning(tmp_path):
+    import warnings
+
+    import torch
+
+    from looplib.errors import ConfigError
+    from looplib.state import load_state
+    path = tmp_path / "state.pt"
+    torch.save({"step": torch.tensor(3)}, path, pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(ConfigError, match="resume: .*state.pt"):
+        warnings.simplefilter("always")
+        load_state(path)
+    assert [str(w.message) for w in seen] == []
