@@ -189,8 +189,10 @@ def job_started() -> None:
         os.environ.pop(_FULL_ERROR, None)
 
 
-def job_ended() -> None:
-    if _state["user_full_error"] is None:
+def job_ended(completed: bool) -> None:
+    """After a job of a sweep that completed, Hydra's refusals of the next job's arguments come to
+    ``run`` again (a failed job's exception is reported by Hydra, as it always is)."""
+    if _state["user_full_error"] is None and completed:
         os.environ[_FULL_ERROR] = "1"
 
 

@@ -175,7 +175,8 @@ class RunDirGuard(Callback):
         cli.job_started()
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
-        cli.job_ended()
+        from hydra.core.utils import JobStatus
+        cli.job_ended(getattr(job_return, "status", None) == JobStatus.COMPLETED)
 
 
 def forget(path: Path, fresh: bool) -> None:

@@ -24,7 +24,7 @@ from .cli import small_data
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
-from .engines.launch import launched_rank, register_resolvers, strip_launcher_args
+from .engines.launch import EXIT_LOST_RANK, launched_rank, lost_rank_line, register_resolvers
 from .errors import EXIT_CONFIG, ConfigError
 from .loop import fit
 from .signals import EXIT_INTERRUPTED, Interrupted, Signals
@@ -269,6 +269,14 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
         signals.finish()
         say(f"looplib: error: {err}; the last complete checkpoint stays (resume=auto continues from it)")
         return EXIT_IO
+    except Exception as err:  # noqa: BLE001 - a collective that failed because another rank is gone
+        line = lost_rank_line(err)
+        if line is None:
+            raise
+        signals.finish()  # torchrun's SIGTERM to the survivors follows: it changes nothing now
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_LOST_RANK
     except Interrupted as sig:
         signals.finish()
         if signals.training:  # a second Ctrl-C while training

@@ -66,3 +66,30 @@ def test_an_engine_of_one_process_is_refused_by_every_rank(tmp_path, rank):
     else:
         assert lines == [], r.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_rank_killed_outright_is_one_line_naming_it_no_traceback(tmp_path):
+    """SIGKILL to rank 1 mid-run: rank 0 says which rank was lost in one line and exits 1 (not a
+    gloo traceback through looplib's code, nor 'Exception ignored in atexit' when torchrun's
+    SIGTERM follows)."""
+    import signal
+    from pathlib import Path
+    status = tmp_path / "status"
+    args = torchrun("--nproc_per_node", "2", "--master_port", str(free_port()))
+    args = [a for a in args if a not in ("max_steps=3", "checkpoint.enabled=false")] + ["max_steps=100000"]
+    proc = subprocess.Popen([*args, "+engine=ddp", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                            env={**ENV, "LOOPLIB_EXIT_FILE": str(status)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 2/" in line:
+            break
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    [rank1] = [int(pid) for pid in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+    os.kill(rank1, signal.SIGKILL)
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    said = [line for line in out.splitlines() if line.startswith("looplib:")]
+    assert len(said) == 1 and said[0].startswith("looplib: stopped: rank 1 of 2 was lost"), out
+    assert "[rank0]" not in out and "Exception ignored" not in out and "by peer" not in out, out
+    assert status.read_text().strip() == "1"  # rank 0's own status (torchrun itself reports 1 too)

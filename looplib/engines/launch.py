@@ -139,8 +139,61 @@ def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
 
 
 def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - at exit, after a lost rank or a launcher's SIGTERM: nothing to report
+        pass
+
+
+# ----------------------------------------------------------------- a rank lost during the run
+
+EXIT_LOST_RANK = 1  # a crash, elsewhere: another rank's process ended (killed, out of memory, a node lost)
+COLLECTIVE_FAILED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+                     "NCCL communicator was aborted", "ProcessGroupGloo", "gloo/transport")
+
+
+def lost_ranks() -> list[int]:
+    """The ranks of this host's launcher that are gone: a launcher's workers are siblings, each
+    with its RANK in its environment (torchrun: RANK = the node's first rank + LOCAL_RANK)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if not local_world or "RANK" not in os.environ:
+        return []
+    first, parent, alive = int(os.environ["RANK"]) - local_rank(), os.getppid(), set()
+    try:
+        siblings = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return []
+    for pid in siblings:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue  # dead, not yet reaped
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+            alive |= {int(kv[5:]) for kv in env if kv.startswith("RANK=")}
+        except (OSError, ValueError, IndexError):
+            continue
+    return [r for r in range(first, first + local_world) if r not in alive]
+
+
+def lost_rank_line(err: BaseException) -> str | None:
+    """A collective that failed because another rank is gone: the one line that says so (None
+    for any other error). Said by the first surviving rank of each host."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    text = str(err)
+    if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in COLLECTIVE_FAILED)):
+        return None
+    lost = lost_ranks()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    first = int(os.environ.get("RANK", "0")) - local_rank()
+    survivors = [r for r in range(first, first + local_world) if r not in lost] or [dist.get_rank()]
+    if dist.get_rank() != min(survivors):
+        return ""  # another rank of this host says it
+    who = (f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}") if lost else \
+        "a rank on another host"
+    return (f"looplib: stopped: {who} of {dist.get_world_size()} was lost (its process ended: killed, out of "
+            f"memory, or its node failed), so rank {dist.get_rank()} cannot go on; the last complete checkpoint "
+            "stays (resume=auto continues from it)")
 
 
 def start(engine) -> None:
