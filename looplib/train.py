@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import autobatch, loggers, rundir
 from .accumulation import Accumulation
 from .cli import small_data
+from .report import end_of_run_plot
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
 from .engines import Engine
@@ -156,6 +157,8 @@ def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
             telemetry.finish("finished", loggers.artefacts(run_dir))
         finally:
             telemetry.close()  # trackers not finished above end as failed
+        if engine.is_main:
+            end_of_run_plot(run_dir)  # loss.png, with matplotlib (LOOPLIB_PLOT=0: none)
         if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
             with signals.at_once():  # a signal stops the sample at once, the run ends as finished
                 print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints

@@ -1,6 +1,7 @@
 """The command line forgives and explains (issue 21): both spellings of a group, Hydra's refusals as
 looplib's one line (exit 2, nothing written), resume=auto without a run directory, small data said,
 stdout for progress and stderr for problems, the sample saved and stopped at once by a signal."""
+import importlib.util
 import json
 import os
 import signal
@@ -118,7 +119,7 @@ def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path)
 def test_progress_on_stdout_problems_on_stderr_small_data_said_sample_saved(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli(*TINY, "data.n_train=3", "batch_size=32", "accum_steps=4", "sample_tokens=6",
-                f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+                f"hydra.run.dir={run_dir}", cwd=tmp_path, env={**ENV, "LOOPLIB_PLOT": "1"})
     assert r.returncode == 0, r.stderr
     [warning] = lines(r.stderr)  # the one problem, on stderr only
     assert "[WARNING] - small data: batch_size=32 is larger than the 3 training sequences" in warning
@@ -127,6 +128,13 @@ def test_progress_on_stdout_problems_on_stderr_small_data_said_sample_saved(tmp_
     assert "steps 1-2 of 3 x 4 sequences" in r.stdout and "step 2/2" in r.stdout  # the real micro-batch
     sample = (run_dir / "sample.txt").read_text()
     assert sample.strip() and sample.strip() in r.stdout
+    if importlib.util.find_spec("matplotlib"):  # the single run's loss curve, at the end and on demand
+        assert (run_dir / "loss.png").stat().st_size > 0
+        from looplib import report
+        assert report.main([str(run_dir), "--out", str(tmp_path / "again")]) == 0
+        assert (tmp_path / "again" / "loss.png").stat().st_size > 0
+    else:
+        assert not (run_dir / "loss.png").exists()
 
 
 def test_a_signal_during_the_sample_stops_it_at_once_and_the_run_ends_as_done(tmp_path):
