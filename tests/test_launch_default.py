@@ -93,3 +93,27 @@ def test_a_rank_killed_outright_is_one_line_naming_it_no_traceback(tmp_path):
     assert len(said) == 1 and said[0].startswith("looplib: stopped: rank 1 of 2 was lost"), out
     assert "[rank0]" not in out and "Exception ignored" not in out and "by peer" not in out, out
     assert status.read_text().strip() == "1"  # rank 0's own status (torchrun itself reports 1 too)
+
+
+LAUNCHERS = [  # the environment each launcher gives a process, and the name the log line uses
+    ({"WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, "torchrun"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "CROSS_RANK": "0", "LOCAL_SIZE": "2"}, "the deepspeed launcher"),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "SLURM"),
+]
+
+
+@pytest.mark.parametrize("env,who", LAUNCHERS, ids=[w for _, w in LAUNCHERS])
+def test_each_launcher_without_an_engine_gets_ddp(monkeypatch, caplog, env, who):
+    from omegaconf import OmegaConf
+
+    from looplib.engines import launch
+    for key in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "LOCAL_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    assert launch.launcher_defaults(OmegaConf.create({})) == {}  # one process: the local engine stays
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level("INFO", logger="looplib"):
+        assert launch.launcher_defaults(OmegaConf.create({})) == {"engine": "ddp"}
+    assert f"{who} started {env.get('WORLD_SIZE', env.get('SLURM_NTASKS'))} processes" in caplog.text
+    chosen = OmegaConf.create({"engine": {"_target_": "looplib.engines.FSDP"}})
+    assert launch.launcher_defaults(chosen) == {}  # an engine chosen: kept

@@ -40,6 +40,7 @@ def launched_world() -> tuple[int, str]:
     job step with several tasks has SLURM_NTASKS."""
     if "WORLD_SIZE" in os.environ:
         who = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
+               else "the deepspeed launcher" if "CROSS_RANK" in os.environ and "LOCAL_SIZE" in os.environ
                else "SLURM" if "SLURM_PROCID" in os.environ else "the launcher")
         return int(os.environ["WORLD_SIZE"]), who
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
@@ -156,7 +157,7 @@ COLLECTIVE_FAILED = ("Connection reset by peer", "Connection closed by peer", "B
 def lost_ranks() -> list[int]:
     """The ranks of this host's launcher that are gone: a launcher's workers are siblings, each
     with its RANK in its environment (torchrun: RANK = the node's first rank + LOCAL_RANK)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")))  # torchrun, deepspeed
     if not local_world or "RANK" not in os.environ:
         return []
     first, parent, alive = int(os.environ["RANK"]) - local_rank(), os.getppid(), set()
@@ -184,7 +185,7 @@ def lost_rank_line(err: BaseException) -> str | None:
     if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in COLLECTIVE_FAILED)):
         return None
     lost = lost_ranks()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")))
     first = int(os.environ.get("RANK", "0")) - local_rank()
     survivors = [r for r in range(first, first + local_world) if r not in lost] or [dist.get_rank()]
     if dist.get_rank() != min(survivors):
