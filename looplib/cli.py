@@ -229,9 +229,10 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
     _state["user_full_error"] = user
     if user is None:
         os.environ[_FULL_ERROR] = "1"  # Hydra raises its refusals to us instead of printing them
-    prog = sys.argv[0]
+    prog, saved_argv, tried = sys.argv[0], list(sys.argv), set()
     try:
-        for _ in range(len(args) + 1):  # each retry follows one piece of Hydra's advice
+        while True:  # each retry follows one piece of Hydra's advice, never the same arguments twice
+            tried.add(tuple(args))
             sys.argv = [prog, *args]
             try:
                 main()
@@ -239,7 +240,7 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
             except (HydraException, OmegaConfBaseException) as err:
                 forget_sweep()
                 fixed = follow_advice(str(err), args)
-                if fixed is None:
+                if fixed is None or tuple(fixed) in tried:
                     if user is not None:
                         raise
                     say(f"looplib: error: {explain(err)}")
@@ -252,6 +253,7 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
                     forget_sweep()
                 raise
     finally:
+        sys.argv = saved_argv
         if user is None:
             os.environ.pop(_FULL_ERROR, None)
 

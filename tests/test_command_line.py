@@ -172,3 +172,14 @@ def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warni
         warnings.simplefilter("always")
         load_state(path)
     assert [str(w.message) for w in seen] == []
+
+
+def test_normalise_adds_or_drops_only_the_plus_of_a_group():
+    from looplib.cli import normalise
+    typed = ["-m", "precision=fp32,bf16", "+model=tiny", "optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)",
+             "++max_steps=3", "~loss", "+model.n_layer=2", "schedule=[cosine]", "--config-dir", "precision=x",
+             "hydra.run.dir=x", "data=random", "max_steps=1"]
+    assert normalise(typed) == ["-m", "+precision=fp32,bf16", "model=tiny", "+optim=choice(adamw,sgd)", "+engine=ddp",
+                                "lr=range(1,3)", "++max_steps=3", "~loss", "+model.n_layer=2", "+schedule=[cosine]",
+                                "--config-dir", "precision=x", "hydra.run.dir=x", "data=random", "max_steps=1"]
+    assert normalise(["--config-name", "mine", "precision=bf16"]) == ["--config-name", "mine", "precision=bf16"]
