@@ -172,6 +172,7 @@ def check_config(cfg: DictConfig) -> Settings:
     group against the constructor of the class it selects. Returns the typed settings."""
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
+    launch.refuse_one_process_engine(cfg)  # +engine=local under torchrun: refused on every rank
     for group in sorted(group_names(cfg), key=lambda g: (g in ("data", "model"), g)):  # those may import a library
         if isinstance(cfg.get(group), DictConfig) and "_target_" in cfg[group]:
             check_group(cfg, group)

@@ -109,6 +109,8 @@ class DeepSpeed(Engine):
     runs on the CPU, ``+optim=cpu_adam``). config: extra raw DeepSpeed keys, merged last.
     """
 
+    several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
+
     def __init__(self, device: str | torch.device = "auto", stage: Literal[0, 1, 2, 3] = 2, offload_optimizer: Offload = "none",
                  offload_params: Offload = "none", nvme_path: str | None = None, config: dict | None = None,
                  timeout_s: Positive[float] = 1800):

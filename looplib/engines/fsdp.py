@@ -79,6 +79,8 @@ class FSDP(Engine):
     CPU). reduce_dtype: ``float32`` (default) or ``param`` (the 16-bit compute dtype).
     """
 
+    several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
+
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,
                  offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",

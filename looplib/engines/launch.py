@@ -62,11 +62,21 @@ def launcher_defaults(cfg) -> dict:
     return {"engine": "ddp"}
 
 
-def refuse_several_processes(engine_name: str) -> None:
-    """An engine that runs in one process only, started by a launcher as one of several: every
-    rank refuses (``ConfigError``) before it trains a copy of the job of its own."""
+def refuse_one_process_engine(cfg) -> None:
+    """An engine that runs in one process only (its class's ``several_processes`` is False:
+    ``+engine=local``), started by a launcher as one of several: every rank refuses
+    (``ConfigError``) before it builds anything or trains a copy of the job of its own."""
     world, who = launched_world()
-    if world > 1:
+    target = cfg.get("engine", {}).get("_target_") if world > 1 else None
+    if target is None:
+        return
+    try:
+        from hydra.utils import get_class
+        engine = get_class(str(target))
+    except Exception:  # noqa: BLE001 - a misspelt _target_: the group's own check names it
+        return
+    if not getattr(engine, "several_processes", False):
+        engine_name = "Local" if engine.__name__ == "Engine" else engine.__name__
         raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
                           "(each would train its own copy of the job)",
                           "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from . import launch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,11 +45,9 @@ class Engine:
     """Single process. Subclasses (DDP, DeepSpeed) override the verbs that differ."""
 
     rank, world_size = 0, 1
-    several_processes = False  # True: runs as one rank of several (a launcher's); see launch.refuse_several_processes
+    several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
 
     def __init__(self, device: str | torch.device = "auto"):
-        if not self.several_processes:
-            launch.refuse_several_processes("Local" if type(self) is Engine else type(self).__name__)
         self.device = resolve_device(str(device))
 
     def check(self, settings, precision, optim) -> None:
