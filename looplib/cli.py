@@ -38,7 +38,7 @@ TAKES_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "
                "--package", "-p", "--cfg", "-c"}
 OVERRIDE = re.compile(r"^(\+?)([A-Za-z_][\w-]*)(?==)")   # [+]group=...: a plain group (or top-level key)
 
-# Hydra's refusals that name a fix looplib applies for the user: (pattern, key group, add or drop the "+")
+# Hydra's refusals whose advice looplib follows for the user: (pattern naming the key, add or drop its "+")
 FOLLOWED = [
     (re.compile(r"Could not override '([^']+)'\.(?: No match in the defaults list\.)?\s+To append to your "
                 r"(?:default list|config) use \+"), "add"),
@@ -60,7 +60,7 @@ def group_kinds(config_name: str = "config") -> tuple[set[str], set[str]]:
             if isinstance(entry, str) or not hasattr(entry, "keys"):
                 continue
             job |= {str(k).split("@")[0].replace("override ", "").strip() for k in entry.keys()}
-    except (OSError, ValueError):  # another primary config (--config-name): nothing to normalise
+    except (OSError, ValueError):  # no such primary config: nothing to normalise
         return set(), set()
     return folders - job, job & folders
 
