@@ -183,3 +183,15 @@ def test_normalise_adds_or_drops_only_the_plus_of_a_group():
                                 "lr=range(1,3)", "++max_steps=3", "~loss", "+model.n_layer=2", "+schedule=[cosine]",
                                 "--config-dir", "precision=x", "hydra.run.dir=x", "data=random", "max_steps=1"]
     assert normalise(["--config-name", "mine", "precision=bf16"]) == ["--config-name", "mine", "precision=bf16"]
+
+
+def test_the_console_script_goes_through_the_same_layer(tmp_path):
+    script = Path(sys.executable).parent / "looplib-train"
+    if not script.exists():
+        pytest.skip("looplib-train is not installed beside this Python")
+    r = subprocess.run([str(script), "optim=adam", "data=random"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert lines(r.stderr) == ["looplib: error: optim: there is no option 'adam'; did you mean adamw or adam8bit "
+                               "(+optim=adamw)? the options are: adafactor, adam8bit, adam8bit_ao, adamw, cpu_adam, sgd"]
+    assert everything(tmp_path) == []
