@@ -192,6 +192,7 @@ def test_the_console_script_goes_through_the_same_layer(tmp_path):
     r = subprocess.run([str(script), "optim=adam", "data=random"], cwd=tmp_path, capture_output=True, text=True,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300)
     assert r.returncode == 2, r.stderr
-    assert lines(r.stderr) == ["looplib: error: optim: there is no option 'adam'; did you mean adamw or adam8bit "
-                               "(+optim=adamw)? the options are: adafactor, adam8bit, adam8bit_ao, adamw, cpu_adam, sgd"]
+    [line] = lines(r.stderr)
+    assert line.startswith("looplib: error: optim: there is no option 'adam'; did you mean adamw or adam8bit "
+                           "(+optim=adamw)? the options are: "), line
     assert everything(tmp_path) == []
