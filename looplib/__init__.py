@@ -12,7 +12,7 @@ matplotlib) are imported only when chosen; importing looplib never imports Hydra
 """
 from .accumulation import Accumulation, Window
 from .adapters import GPT_LINEARS, FullModel, LoRA, load_lora
-from .api import Trained, train_model
+from .api import Datasets, Trained, train_model
 from .checkpointing import ActivationCheckpointing, Checkpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
@@ -24,6 +24,8 @@ from .objectives import SequenceCrossEntropy, TokenCrossEntropy
 from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
                     list_optimizers, param_groups)
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision
+from .signals import Interrupted
+from .state import NumericError, SaveError
 from .telemetry import Telemetry
 
 __version__ = "0.1.0"
@@ -33,7 +35,7 @@ __all__ = [
     "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
-    "train_model", "Trained", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
+    "train_model", "Trained", "Datasets", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
     "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
     "GPT_LINEARS",
     "Checkpointing", "ActivationCheckpointing",

@@ -232,3 +232,10 @@ class WarmupCosine(Schedule):
         span = max(1, total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def built_class(factory: "OptimizerFactory") -> type:
+    """The optimizer class a factory builds (engines check where it runs), found on a throwaway
+    module without consuming randomness: the run's seeded initialisation stays as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return type(factory.build(torch.nn.Linear(1, 1)))

@@ -263,7 +263,7 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
     for pid in workers:
         os.kill(int(pid), signal.SIGTERM)
     out = "".join(seen) + proc.communicate(timeout=300)[0]
-    assert proc.returncode == 1, out  # torchrun's own status for any failed rank (README)
+    assert proc.returncode == 1, out  # torchrun's own status for any failed rank (docs/checkpoints.md)
     assert out.count("exitcode  : 75") == 2, out  # both ranks, and no -15
     assert status.read_text().strip() == str(EXIT_PREEMPTED)
     [saved] = (run_dir / "checkpoints").iterdir()

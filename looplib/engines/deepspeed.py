@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import ConfigError
-from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory
+from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory, built_class
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
 from . import launch
@@ -171,7 +171,7 @@ class DeepSpeed(Engine):
             raise ConfigError("precision", f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16",
                               "use +precision=bf16 or +precision=fp32")
         if optim is not None:  # a factory: the class it builds says where it runs
-            built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(type(optim.build(nn.Linear(1, 1))))
+            built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(built_class(optim))
             self._check_optimizer(built)
 
     def _check_optimizer(self, built: str) -> None:

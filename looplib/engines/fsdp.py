@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..optim import built_class
 from ..schema import Positive
 from . import launch
 from .local import Engine, Prepared, resolve_device
@@ -116,7 +117,7 @@ class FSDP(Engine):
         if optim is None:
             return
         cls = "deepspeed.ops.adam.DeepSpeedCPUAdam" if type(optim).__name__ == "CPUAdam" \
-            else class_name(type(optim.build(nn.Linear(1, 1))))
+            else class_name(built_class(optim))
         for prefix, (why, fix) in REFUSED_OPTIMIZERS.items():
             if cls == prefix or cls.startswith(prefix + "."):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
