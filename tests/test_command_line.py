@@ -28,21 +28,23 @@ def everything(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_both_spellings_of_a_group_make_the_same_run(tmp_path):
-    """precision=bf16 and +precision=bf16 (a strategy group), model=tiny and +model=tiny (a job group)."""
+def test_both_spellings_of_a_group_make_the_same_config():
+    """precision=bf16 and +precision=bf16 (a strategy group), model=tiny and +model=tiny (a job group):
+    the same composed config, so the same config.yaml."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from looplib.cli import normalise
     configs = []
     for spelled in (["precision=bf16", "+model=tiny"], ["+precision=bf16", "model=tiny"]):
-        run_dir = tmp_path / f"run{len(configs)}"
-        r = run_cli(*spelled, *TINY, f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
-        assert r.returncode == 0, r.stderr
-        configs.append((run_dir / "config.yaml").read_text())
+        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+            configs.append(OmegaConf.to_yaml(compose(config_name="config", overrides=normalise([*spelled, *TINY]))))
     assert "_target_: looplib.precision.BF16" in configs[0]
     assert configs[0] == configs[1]
 
 
 KEYS = [  # Hydra's "use +key=value" followed, then looplib's check names the closest setting (in the job)
     (["max_step=10"], "max_step: ", "did you mean max_steps?"),
-    (["+max_step=10"], "max_step: ", "did you mean max_steps?"),
     (["model.n_layr=3"], "model.n_layr: ", "did you mean model.n_layer?"),
 ]
 
@@ -56,6 +58,20 @@ def test_an_unknown_key_with_or_without_plus_is_one_line_exit_2_nothing_written(
     assert everything(tmp_path) == []  # no outputs/, no .hydra/, nothing
 
 
+def refused_here(args: list[str], capsys) -> str:
+    """``python -m looplib.train ARGS`` in this process, for arguments refused before a job starts:
+    exit status 2 and the one line on stderr (returned)."""
+    from looplib import cli
+    from looplib.train import main
+    with pytest.raises(SystemExit) as stop:
+        cli.run(main, args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(lines(err)) == 1 and err.startswith("looplib: error: "), err
+    assert "HYDRA_FULL_ERROR" not in os.environ
+    return err.strip()
+
+
 REFUSED = [  # refused by Hydra as it composes: checked in this process (no job starts)
     (["+optim=adam"], "optim: there is no option 'adam'", "did you mean adamw or adam8bit"),
     (["optim=adam"], "optim: there is no option 'adam'", "(+optim=adamw)"),
@@ -67,39 +83,41 @@ REFUSED = [  # refused by Hydra as it composes: checked in this process (no job 
 
 @pytest.mark.parametrize("args,start,names", REFUSED, ids=[" ".join(a) for a, _, _ in REFUSED])
 def test_hydras_refusals_are_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, args, start, names):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    line = refused_here([*args, "data=random"], capsys)
+    assert line.startswith(f"looplib: error: {start}") and names in line, line
+    assert everything(tmp_path) == []
+
+
+def test_hydra_full_error_still_shows_hydras_report(tmp_path, monkeypatch, capsys):
+    from hydra.errors import MissingConfigException
+
     from looplib import cli
     from looplib.train import main
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    with pytest.raises(SystemExit) as stop:
-        cli.run(main, [*args, "data=random"])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert len(lines(err)) == 1 and lines(err)[0].startswith(f"looplib: error: {start}"), err
-    assert names in err
-    assert everything(tmp_path) == []
-    assert "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(MissingConfigException, match="Could not find 'optim/adam'"):  # Hydra's own, with its traceback
+        cli.run(main, ["+optim=adam", "data=random"])
+    assert "looplib: error" not in capsys.readouterr().err
+    assert os.environ["HYDRA_FULL_ERROR"] == "1" and everything(tmp_path) == []
 
 
-def test_hydra_full_error_still_shows_hydras_report(tmp_path):
-    r = run_cli("+optim=adam", "data=random", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert r.returncode == 1
-    assert "Could not find 'optim/adam'" in r.stderr and "Traceback" in r.stderr
-    assert "looplib: error" not in r.stderr
-
-
-def test_a_refused_multirun_leaves_no_sweep_directory(tmp_path):
-    for args in (["lr=[1e-3,3e-4]"], ["+optim=adam,sgd"]):  # refused by looplib in the job, by Hydra before it
-        r = run_cli("-m", *args, *TINY, cwd=tmp_path, env=ENV)
-        assert r.returncode == 2, r.stderr
-        assert len(lines(r.stderr)) == 1 and r.stderr.startswith("looplib: error: "), r.stderr
-        assert everything(tmp_path) == []  # no multirun/<date>/<time>/multirun.yaml
-
-
-def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path):
-    r = run_cli("resume=auto", *TINY, cwd=tmp_path, env=ENV)
+def test_a_refused_multirun_leaves_no_sweep_directory(tmp_path, monkeypatch, capsys):
+    r = run_cli("-m", "lr=[1e-3,3e-4]", *TINY, cwd=tmp_path, env=ENV)  # refused by looplib in the job
     assert r.returncode == 2, r.stderr
-    assert lines(r.stderr) == [r.stderr.strip()] and "no run under outputs/ has a checkpoint" in r.stderr
+    assert len(lines(r.stderr)) == 1 and r.stderr.startswith("looplib: error: lr: "), r.stderr
+    assert everything(tmp_path) == []  # no multirun/<date>/<time>/multirun.yaml
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    refused_here(["-m", "+optim=adam,sgd", *TINY], capsys)  # refused by Hydra as the sweep starts
+    assert everything(tmp_path) == []
+
+
+def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert "no run under outputs/ has a checkpoint" in refused_here(["resume=auto", *TINY], capsys)
     assert everything(tmp_path) == []
 
     saved = [a for a in TINY if not a.startswith(("checkpoint.", "max_steps"))] + ["max_steps=1"]
@@ -107,9 +125,7 @@ def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path)
     assert r.returncode == 0, r.stderr
     [earlier] = [p.relative_to(tmp_path) for p in (tmp_path / "outputs").glob("*/*")]
     before = everything(tmp_path)
-    r = run_cli("resume=auto", *TINY, cwd=tmp_path, env=ENV)
-    assert r.returncode == 2, r.stderr
-    [line] = lines(r.stderr)
+    line = refused_here(["resume=auto", *TINY], capsys)
     assert f"the most recent run with a checkpoint is {earlier} (step 1)" in line
     assert line.endswith(f"continue it with: python -m looplib.train resume=auto {' '.join(TINY)} "
                          f"hydra.run.dir={earlier}")

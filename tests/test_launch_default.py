@@ -53,19 +53,19 @@ def test_torchrun_without_an_engine_trains_ddp_and_two_nodes_match_one(tmp_path)
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_an_engine_of_one_process_is_refused_by_every_rank(tmp_path, rank):
-    env = {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "x"}
-    r = run_cli("+engine=local", *JOB, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env)
-    assert r.returncode == 2, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    if rank == "0":  # rank 0 speaks for every rank
-        assert len(lines) == 1 and lines[0].startswith("looplib: error: engine: Local runs in one process, but "
-                                                        "torchrun started 2"), r.stderr
-        assert "+engine=ddp" in lines[0]
-    else:
-        assert lines == [], r.stderr
-    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+def test_an_engine_of_one_process_is_refused_by_every_rank(monkeypatch, rank):
+    from omegaconf import OmegaConf
+
+    from looplib.engines.launch import refuse_one_process_engine
+    from looplib.errors import ConfigError
+    for key, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as err:  # build.check_config calls it before anything is built
+        refuse_one_process_engine(OmegaConf.create({"engine": {"_target_": "looplib.engines.Local"}}))
+    assert str(err.value).startswith("engine: Local runs in one process, but torchrun started 2") and \
+        "+engine=ddp" in str(err.value)
+    for engine in ("DDP", "fsdp.FSDP"):  # those run as one rank of several
+        refuse_one_process_engine(OmegaConf.create({"engine": {"_target_": f"looplib.engines.{engine}"}}))
 
 
 def test_a_rank_killed_outright_is_one_line_naming_it_no_traceback(tmp_path):
