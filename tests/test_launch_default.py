@@ -43,8 +43,8 @@ def test_torchrun_without_an_engine_trains_ddp_and_two_nodes_match_one(tmp_path)
 
     # the documented multi-node line: each node runs the same command (one process per node here)
     port = free_port()
-    agents = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                                        "--rdzv_endpoint", f"127.0.0.1:{port}"),
+    agents = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                                        "--rdzv-endpoint", f"127.0.0.1:{port}"),
                                cwd=two, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
