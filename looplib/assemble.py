@@ -32,6 +32,7 @@ from . import autobatch
 from .accumulation import Accumulation
 from .peft import FullModel
 from .checkpointing import Checkpointing
+from .cli import small_data
 from .compile import Compile
 from .data import Corpus, Epochs, build_loader
 from .engines import Engine
@@ -42,6 +43,7 @@ from .loop import fit
 from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
+from .report import end_of_run_plot
 from .settings import Settings
 from .signals import EXIT_INTERRUPTED, Signals
 from .checkpoint_files import write_atomic
@@ -196,6 +198,8 @@ def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics:
         train = build_loader(job.data.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
                              rank=engine.rank, world=engine.world_size, collate_fn=collate, **vars(s.loader))
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
+    micro_batch = small_data(len(job.data.train) if hasattr(job.data.train, "__len__") else None,
+                             s.batch_size, s.accum_steps, engine.world_size)  # warned when the data is smaller
     eval_batches = held_out(job)
     with refused("optim", job.record):
         optimizer = job.optim.build(job.model)
@@ -226,7 +230,7 @@ def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics:
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
              "optimizer %s", type(engine.unwrap(job.model)).__name__,
              sum(p.numel() for p in job.model.parameters()) / 1e6, engine.device, state.step + 1, s.max_steps,
-             s.batch_size, s.accum_steps, job.precision.name, type(optimizer).__name__)
+             micro_batch, s.accum_steps, job.precision.name, type(optimizer).__name__)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
@@ -253,8 +257,11 @@ def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics:
             telemetry.finish("finished", artefacts(run_dir) if run_dir else ({"metrics": str(metrics)} if metrics else {}))
         finally:
             telemetry.close()  # trackers not finished above end as failed
+        if engine.is_main and run_dir is not None:
+            end_of_run_plot(run_dir)  # loss.png, with matplotlib (LOOPLIB_PLOT=0: none)
         if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
-            print_sample(job, s.sample_tokens)  # every rank generates (ZeRO-3 gathers), rank 0 prints
+            with signals.at_once():  # a signal stops the sample at once; the run ends as finished
+                print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints
     trained.eval_loss = telemetry.last_row.get("eval_loss")
     if run_dir is not None:
         log.info("done: %s", run_dir)
@@ -296,7 +303,9 @@ def mfu_settings(job: Job) -> dict:
             "peak_flops": peak_flops(job.engine.device, job.precision.name, job.settings.peak_tflops)}
 
 
-def print_sample(job: Job, n_tokens: int) -> None:
+def print_sample(job: Job, n_tokens: int, run_dir: Path | None = None) -> None:
+    """A sample from the trained model: printed, and saved as ``<run dir>/sample.txt``."""
+    log.info("sampling %d tokens from the trained model", n_tokens)
     prompt = job.data.sample_prompt()
     ids = torch.tensor([job.data.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
@@ -305,3 +314,5 @@ def print_sample(job: Job, n_tokens: int) -> None:
     text = job.data.decode(out[0].tolist())
     if job.engine.is_main:
         print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
+        if run_dir is not None:
+            write_atomic(run_dir / "sample.txt", text + "\n")

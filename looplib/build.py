@@ -15,6 +15,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from .engines import launch
 from .errors import ConfigError
 from .resolvers import register_resolvers
 from .schema import check_options, parameters, refuse_unknown
@@ -81,8 +82,9 @@ def check_sequences_fit(corpus: Any, model: Any) -> None:
 def fill_strategy_defaults(cfg: DictConfig) -> None:
     """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
     A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
+    defaults = {**STRATEGY_DEFAULTS, **launch.launcher_defaults(cfg)}  # torchrun without +engine: DDP
     with open_dict(cfg):
-        for group, option in STRATEGY_DEFAULTS.items():
+        for group, option in defaults.items():
             node = cfg.get(group)
             if node is None or (isinstance(node, DictConfig) and "_target_" not in node):
                 default = OmegaConf.load(resources.files("looplib.conf") / group / f"{option}.yaml")
@@ -94,6 +96,7 @@ def check_config(cfg: DictConfig) -> Settings:
     group against the constructor of the class it selects. Returns the typed settings."""
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
+    launch.refuse_one_process_engine(cfg)  # +engine=local under torchrun: refused on every rank
     for group in sorted(group_names(cfg), key=lambda g: (g in ("data", "model"), g)):  # those may import a library
         if isinstance(cfg.get(group), DictConfig) and "_target_" in cfg[group]:
             check_group(cfg, group)

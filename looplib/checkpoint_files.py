@@ -24,6 +24,8 @@ import random
 import sys
 from pathlib import Path
 
+import warnings
+
 import torch
 
 from .errors import ConfigError
@@ -178,7 +180,9 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
 def read_state(path: Path) -> dict:
     """``torch.load`` with ``weights_only=True``: tensors and plain containers, never code."""
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol N" note: the refusal below says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise InvalidCheckpoint(f"state.pt holds objects other than tensors and plain containers and was "
                                 f"not unpickled ({str(err).splitlines()[0]})") from None

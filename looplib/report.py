@@ -1,4 +1,8 @@
-"""Sweep reports: ``python -m looplib.report <multirun dir> [--out DIR]``.
+"""Reports: ``python -m looplib.report <multirun dir or run dir> [--out DIR]``.
+
+A single run's directory gets its loss curve, ``loss.png`` (training and held-out loss
+against step); every run that finishes writes it too when matplotlib is installed (set
+``LOOPLIB_PLOT=0`` to skip it). A sweep gets the table and chart below.
 
 Reads every job directory under a ``python -m looplib.train -m ...`` sweep (the folders
 holding ``.hydra/overrides.yaml``), takes each job's overrides and its final metrics from
@@ -288,6 +292,49 @@ def near_data(ax, values: list[float]) -> None:
     ax.set_ylim(max(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)  # never below zero for counts
 
 
+def loss_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """``loss.png``: one run's training loss (solid) and held-out loss (dashed, points) against
+    step, from its ``metrics.jsonl``. Needs matplotlib (ImportError without it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    run_dir = Path(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    for key, style, name in (("loss", "-", "training"), ("eval_loss", "--o", "held-out")):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        if points:
+            ax.plot(*zip(*points), style, markersize=4, label=f"{name} loss")
+    ax.set_title(f"loss against step: {run_dir.name}", fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    path = Path(out or run_dir) / "loss.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def end_of_run_plot(run_dir: Path) -> Path | None:
+    """``loss.png`` at the end of a run, when matplotlib is installed and ``LOOPLIB_PLOT`` is not
+    0; a chart that cannot be drawn never fails the run (a warning says why)."""
+    import importlib.util
+    import logging
+    import os
+    if os.environ.get("LOOPLIB_PLOT", "1") == "0" or importlib.util.find_spec("matplotlib") is None:
+        return None
+    try:
+        return loss_curve(run_dir)
+    except Exception as err:  # noqa: BLE001 - the run's results are written; the chart is a courtesy
+        logging.getLogger("looplib").warning("no loss.png (%s: %s)", type(err).__name__, err)
+        return None
+
+
 def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
     """Write report.md, report.csv and (with matplotlib) report.png; returns their paths."""
     sweep = Path(sweep)
@@ -299,9 +346,13 @@ def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
     written = {"md": out / "report.md", "csv": out / "report.csv"}
     written["md"].write_text(markdown(jobs, sweep))
     written["csv"].write_text(write_csv(jobs))
+    single = (sweep / "metrics.jsonl").exists()  # one run's directory: its loss curve
     try:
-        chart(jobs, out / "report.png")
-        written["png"] = out / "report.png"
+        if single:
+            written["png"] = loss_curve(sweep, out)
+        else:
+            chart(jobs, out / "report.png")
+            written["png"] = out / "report.png"
     except ImportError:
         print("looplib.report: matplotlib is not installed, no chart (pip install 'looplib[report]')",
               file=sys.stderr)
@@ -310,8 +361,9 @@ def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m looplib.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", help="a multirun directory, e.g. multirun/2026-01-01/12-00-00")
-    parser.add_argument("--out", help="where to write report.md/.csv/.png (default: the sweep directory)")
+    parser.add_argument("sweep", help="a multirun directory, e.g. multirun/2026-01-01/12-00-00, or one run's "
+                        "directory (outputs/2026-01-01/12-00-00: its loss curve, loss.png)")
+    parser.add_argument("--out", help="where to write report.md/.csv/.png (default: the sweep or run directory)")
     args = parser.parse_args(argv)
     try:
         written = report(args.sweep, args.out)

@@ -24,6 +24,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from . import cli
 from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
@@ -102,6 +103,49 @@ def write_exit_status(status: int) -> None:
         os.replace(tmp, path)
 
 
+def fresh_root(config: DictConfig) -> Path | None:
+    """Where a new run directory is made when ``hydra.run.dir`` names a new timestamped one
+    (``outputs/${now:...}``, the default): ``outputs``. None when it names a fixed directory."""
+    pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+    if not isinstance(pattern, str) or "${now:" not in pattern:
+        return None
+    head = pattern.split("${now:", 1)[0].replace("${looplib.rank0_dir:", "")
+    return Path(head or ".")
+
+
+def latest_resumable(root: Path) -> tuple[Path, int] | None:
+    """The most recent run directory under ``root`` holding a valid checkpoint, and its step."""
+    from .state import is_valid, step_dirs
+    runs = {p.parent for depth in ("*/checkpoints", "*/*/checkpoints") for p in root.glob(depth) if p.is_dir()}
+    for run in sorted(runs, key=lambda p: (p / "checkpoints").stat().st_mtime, reverse=True):
+        for step in step_dirs(run / "checkpoints"):
+            if is_valid(step) is None:
+                digits = "".join(c for c in step.name if c.isdigit())
+                return run, int(digits or 0)
+    return None
+
+
+def check_resume_target(config: DictConfig) -> None:
+    """``resume=auto`` with no run directory given would start a new run at step 0: refused,
+    naming the most recent run it could continue and the command that does (``ConfigError``)."""
+    resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
+    root = fresh_root(config) if resume == "auto" else None
+    if root is None:
+        return
+    task = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
+    found = latest_resumable(root)
+    if found is None:
+        raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given and "
+                          f"no run under {root}/ has a checkpoint to continue",
+                          "to start a new run leave resume out; to continue a run elsewhere give its directory: "
+                          "hydra.run.dir=DIR")
+    run, step = found
+    command = " ".join(["python -m looplib.train", *task, f"hydra.run.dir={run}"])
+    raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
+                      f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
+                      f"continue it with: {command}")
+
+
 class RunDirGuard(Callback):
     """Checks the run (or sweep) directory before Hydra writes anything into it."""
 
@@ -116,10 +160,23 @@ class RunDirGuard(Callback):
             refuse(err)
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            check_resume_target(config)
+        except ConfigError as err:
+            refuse(err)
         self._check(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._check(config, "hydra.sweep.dir")
+        path = as_rank0(config, "hydra.sweep.dir")
+        cli.sweep_started(path, fresh=path is not None and not path.exists())
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        cli.job_started()
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+        cli.job_ended(getattr(job_return, "status", None) == JobStatus.COMPLETED)
 
 
 def forget(path: Path, fresh: bool) -> None:

@@ -10,7 +10,8 @@
                              (under torchrun, whose agent forwards each Ctrl-C to its workers,
                              the agent stops them: it kills them after its grace period)
     after the last step      the final checkpoint and weights are written; the run ends as
-                             finished (its work is done), without the sample
+                             finished (its work is done), without the sample (a signal during
+                             the sample stops it at once: ``Signals.at_once``)
 
 Exit statuses: 75 (EX_TEMPFAIL) after SIGTERM/SIGUSR1, so a scheduler may requeue the job with
 ``resume=auto``; 130 (128 + SIGINT, the shell's convention) after Ctrl-C.
@@ -89,6 +90,19 @@ class Signals:
             yield self
         finally:
             self.defer = False
+
+    @contextmanager
+    def at_once(self):
+        """Work that is worth nothing once a stop is asked for (the end-of-run sample): a signal
+        ends it at once (``Interrupted`` inside it, swallowed here), and the run ends as after a
+        signal following its last step. ``requested`` tells whether it was cut short."""
+        defer, self.defer = self.defer, False
+        try:
+            yield self
+        except Interrupted:
+            pass
+        finally:
+            self.defer = defer
 
     def finish(self) -> None:
         """The run has ended (or is reporting how it ended): a signal now changes nothing, and

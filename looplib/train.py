@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import assemble, loggers, rundir
 from .assemble import Job, Parts, Record
 from .build import check_config, instantiate, origin
-from .engines.launch import launched_rank, strip_launcher_args
+from .engines.launch import EXIT_LOST_RANK, launched_rank, lost_rank_line
 from .errors import EXIT_CONFIG, ConfigError
 from .checkpoints import EXIT_IO, EXIT_NUMERIC, NumericError, SaveError
 from .resolvers import register_resolvers
@@ -99,6 +99,14 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
         signals.finish()
         say(f"looplib: error: {err}; the last complete checkpoint stays (resume=auto continues from it)")
         return EXIT_IO
+    except Exception as err:  # noqa: BLE001 - a collective that failed because another rank is gone
+        line = lost_rank_line(err)
+        if line is None:
+            raise
+        signals.finish()  # torchrun's SIGTERM to the survivors follows: it changes nothing now
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_LOST_RANK
     except Interrupted as sig:
         signals.finish()
         if signals.training:  # a second Ctrl-C while training
@@ -126,5 +134,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = strip_launcher_args(sys.argv)  # deepspeed --module looplib.train adds --local_rank=N
-    main()
+    from .cli import run as run_cli
+    run_cli(main)  # both spellings of a group; Hydra's refusals as one line (deepspeed's --local_rank dropped)

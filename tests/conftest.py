@@ -36,7 +36,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "looplib.train",
             timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``python -m looplib.train ARGS`` the way a user types it."""
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0", **(env or {})}  # no loss.png: CI time
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

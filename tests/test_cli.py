@@ -106,19 +106,6 @@ def test_adam8bit_without_bitsandbytes(tmp_path):
     assert not run_dir.exists()
 
 
-def test_unknown_group_option_keeps_hydras_message(tmp_path):
-    r = run_cli("+precision=fp64", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert r.returncode == 1
-    assert "Could not find 'precision/fp64'" in r.stderr
-    assert "Available options" in r.stderr and "bf16" in r.stderr
-
-
-def test_group_without_plus_gets_hydras_hint(tmp_path):
-    r = run_cli("precision=bf16", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert r.returncode == 1
-    assert "+precision=bf16" in r.stderr
-
-
 def test_bad_input_leaves_an_existing_run_dir_alone(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -46,7 +46,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path, reference):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err
-    assert "preempted" in out and "resume=auto" in out
+    assert "preempted" in err and "resume=auto" in err and "preempted" not in out  # the notice: on stderr
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert len(ckpts) == 1 and is_valid(ckpts[0]) is None
     stopped_at = int(ckpts[0].name.split("-")[1])

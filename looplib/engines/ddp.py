@@ -28,6 +28,8 @@ log = logging.getLogger("looplib")
 class DDP(Distributed):
     """``torch.nn.parallel.DistributedDataParallel``; gloo on the CPU, NCCL on CUDA."""
 
+    several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
+
     def __init__(self, device: str | torch.device = "auto", bucket_cap_mb: Positive[float] = 25.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
                  static_graph: bool = False, timeout_s: Positive[float] = 1800):

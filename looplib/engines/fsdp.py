@@ -79,6 +79,7 @@ class FSDP(Distributed):
     """
 
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
+    several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
 
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,

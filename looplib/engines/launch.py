@@ -34,6 +34,54 @@ def launched_rank() -> int:
     return 0
 
 
+def launched_world() -> tuple[int, str]:
+    """How many processes the launcher started for this job, and which launcher it was (no
+    process group needed): torchrun and the ``deepspeed`` launcher set WORLD_SIZE; a SLURM
+    job step with several tasks has SLURM_NTASKS."""
+    if "WORLD_SIZE" in os.environ:
+        who = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
+               else "the deepspeed launcher" if "CROSS_RANK" in os.environ and "LOCAL_SIZE" in os.environ
+               else "SLURM" if "SLURM_PROCID" in os.environ else "the launcher")
+        return int(os.environ["WORLD_SIZE"]), who
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_NTASKS"]), "SLURM"
+    return 1, ""
+
+
+def launcher_defaults(cfg) -> dict:
+    """Strategy defaults the launcher decides: several processes and no engine chosen -> DDP
+    (one run whose gradients are averaged, not N copies of the same job). Said in a log line."""
+    world, who = launched_world()
+    node = cfg.get("engine")
+    if world <= 1 or (node is not None and "_target_" in node):
+        return {}
+    if launched_rank() == 0:
+        logging.getLogger("looplib").info(
+            "%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
+            "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
+    return {"engine": "ddp"}
+
+
+def refuse_one_process_engine(cfg) -> None:
+    """An engine that runs in one process only (its class's ``several_processes`` is False:
+    ``+engine=local``), started by a launcher as one of several: every rank refuses
+    (``ConfigError``) before it builds anything or trains a copy of the job of its own."""
+    world, who = launched_world()
+    target = cfg.get("engine", {}).get("_target_") if world > 1 else None
+    if target is None:
+        return
+    try:
+        from hydra.utils import get_class
+        engine = get_class(str(target))
+    except Exception:  # noqa: BLE001 - a misspelt _target_: the group's own check names it
+        return
+    if not getattr(engine, "several_processes", False):
+        engine_name = "Local" if engine.__name__ == "Engine" else engine.__name__
+        raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
+                          "(each would train its own copy of the job)",
+                          "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")
+
+
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra's parser refuses;
     it sets LOCAL_RANK in the environment too, which is what looplib reads."""
@@ -102,8 +150,61 @@ def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
 
 
 def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - at exit, after a lost rank or a launcher's SIGTERM: nothing to report
+        pass
+
+
+# ----------------------------------------------------------------- a rank lost during the run
+
+EXIT_LOST_RANK = 1  # a crash, elsewhere: another rank's process ended (killed, out of memory, a node lost)
+COLLECTIVE_FAILED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+                     "NCCL communicator was aborted", "ProcessGroupGloo", "gloo/transport")
+
+
+def lost_ranks() -> list[int]:
+    """The ranks of this host's launcher that are gone: a launcher's workers are siblings, each
+    with its RANK in its environment (torchrun: RANK = the node's first rank + LOCAL_RANK)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")))  # torchrun, deepspeed
+    if not local_world or "RANK" not in os.environ:
+        return []
+    first, parent, alive = int(os.environ["RANK"]) - local_rank(), os.getppid(), set()
+    try:
+        siblings = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return []
+    for pid in siblings:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue  # dead, not yet reaped
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+            alive |= {int(kv[5:]) for kv in env if kv.startswith("RANK=")}
+        except (OSError, ValueError, IndexError):
+            continue
+    return [r for r in range(first, first + local_world) if r not in alive]
+
+
+def lost_rank_line(err: BaseException) -> str | None:
+    """A collective that failed because another rank is gone: the one line that says so (None
+    for any other error). Said by the first surviving rank of each host."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    text = str(err)
+    if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in COLLECTIVE_FAILED)):
+        return None
+    lost = lost_ranks()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")))
+    first = int(os.environ.get("RANK", "0")) - local_rank()
+    survivors = [r for r in range(first, first + local_world) if r not in lost] or [dist.get_rank()]
+    if dist.get_rank() != min(survivors):
+        return ""  # another rank of this host says it
+    who = (f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}") if lost else \
+        "a rank on another host"
+    return (f"looplib: stopped: {who} of {dist.get_world_size()} was lost (its process ended: killed, out of "
+            f"memory, or its node failed), so rank {dist.get_rank()} cannot go on; the last complete checkpoint "
+            "stays (resume=auto continues from it)")
 
 
 def start(engine) -> None:

@@ -48,6 +48,7 @@ class Engine:
     # True: the engine writes and reads the model and optimizer state of a checkpoint itself
     # (``save_checkpoint`` / ``load_checkpoint``: FSDP's and DeepSpeed's sharded formats)
     own_checkpoints = False
+    several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
 
     def __init__(self, device: str | torch.device = "auto"):
         self.device = resolve_device(str(device))

@@ -1,0 +1,264 @@
+"""The command line before Hydra: both spellings of a group, and Hydra's refusals as looplib's one line.
+
+Every entry point (``python -m looplib.train``, the ``looplib-train`` script, ``python -m
+looplib.tune``) hands its ``@hydra.main`` function to ``run``:
+
+    if __name__ == "__main__":
+        looplib.cli.run(main)
+
+- **Both spellings.** Strategy groups (precision, optim, engine, ...: the groups that are *not*
+  in conf/config.yaml's defaults list) are appended, so Hydra wants ``+precision=bf16``; the
+  job's groups (model, data, loss) are in the defaults list, so Hydra wants ``model=x`` and
+  refuses ``+model=x``. ``normalise`` writes each the way Hydra wants it, whichever way it was
+  typed. Only the leading ``+`` changes: values, ``-m`` sweeps and sweeper syntax
+  (``choice(...)``, ``range(...)``, lists) pass through as typed.
+- **A key Hydra does not know** (``max_step=10``, ``model.dropout=0.1``) is appended (Hydra's own
+  advice, followed once), so that looplib's check of the whole config names it with the closest
+  setting ("did you mean max_steps?"), or accepts it where the class takes that argument.
+- **Hydra's refusals** that remain (an unknown option of a group, an ambiguous value without
+  ``-m``, an argument that does not parse) become one line on stderr naming the setting and the
+  fix, exit status 2, and nothing written (a sweep directory holding only Hydra's
+  ``multirun.yaml`` is removed). ``HYDRA_FULL_ERROR=1`` shows Hydra's own report instead.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from .errors import EXIT_CONFIG
+
+# Hydra's command-line flags that take the next argument as their value (not an override)
+TAKES_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
+               "--package", "-p", "--cfg", "-c"}
+OVERRIDE = re.compile(r"^(\+?)([A-Za-z_][\w-]*)(?==)")   # [+]group=...: a plain group (or top-level key)
+
+# Hydra's refusals whose advice looplib follows for the user: (pattern naming the key, add or drop its "+")
+FOLLOWED = [
+    (re.compile(r"Could not override '([^']+)'\.(?: No match in the defaults list\.)?\s+To append to your "
+                r"(?:default list|config) use \+"), "add"),
+    (re.compile(r"Could not append to config\. An item is already at '([^']+)'"), "drop"),
+    (re.compile(r"Multiple values for ([\w.-]+)\. To override a value use"), "drop"),
+    (re.compile(r"([\w.-]+) appears more than once in the final defaults list"), "drop"),
+]
+
+
+def group_kinds(config_name: str = "config") -> tuple[set[str], set[str]]:
+    """(strategy groups, job groups) of looplib's conf/: job groups are in the primary config's
+    defaults list, strategy groups are every other folder (hydra/ aside)."""
+    from omegaconf import OmegaConf
+    conf = resources.files("looplib.conf")
+    folders = {p.name for p in conf.iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
+    job = set()
+    try:
+        for entry in OmegaConf.load(conf / f"{config_name}.yaml").get("defaults", []):
+            if isinstance(entry, str) or not hasattr(entry, "keys"):
+                continue
+            job |= {str(k).split("@")[0].replace("override ", "").strip() for k in entry.keys()}
+    except (OSError, ValueError):  # no such primary config: nothing to normalise
+        return set(), set()
+    return folders - job, job & folders
+
+
+def normalise(args: list[str], groups: tuple[set[str], set[str]] | None = None) -> list[str]:
+    """``precision=bf16`` -> ``+precision=bf16`` for every strategy group, ``+model=x`` ->
+    ``model=x`` for the job's groups; every other argument as typed."""
+    if any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args):
+        return list(args)  # another primary config: its own defaults list decides
+    strategy, job = groups if groups is not None else group_kinds()
+    out, skip = [], False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = not skip and arg in TAKES_VALUE
+            out.append(arg)
+            continue
+        match = OVERRIDE.match(arg)
+        if match:
+            plus, key = match.groups()
+            if key in strategy and not plus:
+                arg = "+" + arg
+            elif key in job and plus:
+                arg = arg[1:]
+        out.append(arg)
+    return out
+
+
+def follow_advice(message: str, args: list[str]) -> list[str] | None:
+    """Hydra's refusal ``message`` asks for a "+" added or dropped on one key: ``args`` with that
+    done, or None when the refusal is of another kind (or the advice was followed already)."""
+    for pattern, action in FOLLOWED:
+        match = pattern.search(message)
+        if not match:
+            continue
+        key = match.group(1)
+        if key.startswith("hydra.") or key == "hydra":
+            return None
+        for i, arg in enumerate(args):
+            if action == "add" and arg.startswith(f"{key}="):
+                return args[:i] + ["+" + arg] + args[i + 1:]
+            if action == "drop" and arg.startswith(f"+{key}="):
+                return args[:i] + [arg[1:]] + args[i + 1:]
+    return None
+
+
+def explain(err: BaseException) -> str:
+    """Hydra's refusal as looplib's one line: the setting, what is wrong, the fix."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    text = " ".join(str(err).split())
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, option = err.missing_cfg_file.rsplit("/", 1)
+        options = sorted(err.options or [])
+        strategy, _ = group_kinds()
+        plus = "+" if group in strategy else ""
+        close = {o for o in options if o.startswith(option) or option.startswith(o)}  # adam -> adamw, adam8bit
+        close |= set(difflib.get_close_matches(option, options, n=3, cutoff=0.6))
+        close = sorted(close, key=lambda o: (not o.startswith(option), -difflib.SequenceMatcher(None, option, o).ratio()))
+        guess = f"did you mean {' or '.join(close[:2])} ({plus}{group}={close[0]})? " if close else ""
+        return f"{group}: there is no option '{option}'; {guess}the options are: {', '.join(options)}"
+    ambiguous = re.search(r"Ambiguous value for argument '([^']*)'", text)
+    if ambiguous:
+        arg = ambiguous.group(1)
+        key, _, value = arg.partition("=")
+        return (f"{key.lstrip('+~')}: '{arg}' holds several values; to sweep over them add -m (python -m "
+                f"looplib.train -m {arg}), for a list write {key}=[{value}], for one string quote it: {key}='{value}'")
+    sweep = re.search(r"Sweep parameters '([^']*)' requires --multirun", text)
+    if sweep:
+        key = sweep.group(1).partition("=")[0].lstrip("+~")
+        return f"{key}: '{sweep.group(1)}' is a sweep; add -m to run one job per value"
+    if isinstance(err, OverrideParseException):
+        key = OVERRIDE.match(err.override or "")
+        name = key.group(2) if key else (err.override or "argument")
+        first = " ".join(str(err.message).split("See https")[0].split())
+        return (f"{name}: cannot read the argument '{err.override}' ({first}); write key=value, quote values "
+                "holding spaces or brackets, see https://hydra.cc/docs/advanced/override_grammar/basic")
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        text += " (" + " ".join(str(cause).split()) + ")"
+    return f"command line: {text}"
+
+
+class BelowWarning(logging.Filter):
+    """Log records under WARNING only: progress and metrics on stdout, the rest on stderr
+    (conf/hydra/job_logging/looplib.yaml)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+def small_data(n_train: int | None, batch_size: int, accum_steps: int, world: int = 1) -> int:
+    """The micro-batch a run really trains with (no larger than the training sequences per rank),
+    and one warning line with the real figures when the data is smaller than the batch settings
+    assume: a micro-batch larger than the training set per rank, or an epoch shorter than one
+    accumulation window (each optimizer step then sees some sequences more than once)."""
+    per_rank = (n_train or 0) // max(world, 1)
+    if not n_train or per_rank == 0:
+        return batch_size  # unknown length, or no batch at all (refused where the epochs are made)
+    real = min(batch_size, per_rank)
+    batches = -(-per_rank // batch_size)  # micro-batches per epoch, the last one possibly short
+    ranks = f" per rank ({n_train} over {world} processes)" if world > 1 else ""
+    problems = []
+    if batch_size > per_rank:
+        problems.append(f"batch_size={batch_size} is larger than the {per_rank} training sequences{ranks}: each "
+                        f"micro-batch holds {real}")
+    if batches < accum_steps:
+        problems.append(f"an epoch is {batches} micro-batch{'es' if batches > 1 else ''} ({per_rank} sequences{ranks}), "
+                        f"fewer than accum_steps={accum_steps}: each optimizer step sees some sequences "
+                        f"{-(-accum_steps // batches)} times")
+    if problems:
+        logging.getLogger("looplib").warning("small data: %s; so each optimizer step trains on %d x %d sequences "
+                                             "(give more data, or lower batch_size / accum_steps)",
+                                             "; ".join(problems), real, accum_steps)
+    return real
+
+
+# ------------------------------------------------------------------ running an entry point
+
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_state = {"user_full_error": None, "sweep_dir": None, "sweep_fresh": False}
+
+
+def job_started() -> None:
+    """Called by ``looplib.rundir.RunDirGuard`` as a job starts: from here an exception is the
+    job's own, and Hydra reports it as it always does."""
+    if _state["user_full_error"] is None:
+        os.environ.pop(_FULL_ERROR, None)
+
+
+def job_ended(completed: bool) -> None:
+    """After a job of a sweep that completed, Hydra's refusals of the next job's arguments come to
+    ``run`` again (a failed job's exception is reported by Hydra, as it always is)."""
+    if _state["user_full_error"] is None and completed:
+        os.environ[_FULL_ERROR] = "1"
+
+
+def sweep_started(path: Path | None, fresh: bool) -> None:
+    """Called by ``RunDirGuard`` as a sweep starts: the sweep directory, and whether it held nothing."""
+    _state["sweep_dir"], _state["sweep_fresh"] = path, fresh
+
+
+def forget_sweep() -> None:
+    """A sweep that was refused before any job wrote a result leaves no directory behind."""
+    from . import rundir
+    path, _state["sweep_dir"] = _state["sweep_dir"], None
+    if path is not None and _state["sweep_fresh"] and not rundir.results(path):
+        rundir.forget(path, fresh=True)
+
+
+def say(line: str) -> None:
+    from .engines.launch import launched_rank
+    if launched_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
+    """Run a ``@hydra.main`` function on ``argv`` (default ``sys.argv[1:]``), normalised; Hydra's
+    refusals end as one line and exit status 2."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from .engines.launch import strip_launcher_args
+    from .rundir import write_exit_status
+
+    args = normalise(strip_launcher_args(list(sys.argv[1:] if argv is None else argv)))
+    user = os.environ.get(_FULL_ERROR)
+    _state["user_full_error"] = user
+    if user is None:
+        os.environ[_FULL_ERROR] = "1"  # Hydra raises its refusals to us instead of printing them
+    prog, saved_argv, tried = sys.argv[0], list(sys.argv), set()
+    try:
+        while True:  # each retry follows one piece of Hydra's advice, never the same arguments twice
+            tried.add(tuple(args))
+            sys.argv = [prog, *args]
+            try:
+                main()
+                return
+            except (HydraException, OmegaConfBaseException) as err:
+                forget_sweep()
+                fixed = follow_advice(str(err), args)
+                if fixed is None or tuple(fixed) in tried:
+                    if user is not None:
+                        raise
+                    say(f"looplib: error: {explain(err)}")
+                    write_exit_status(EXIT_CONFIG)
+                    sys.exit(EXIT_CONFIG)
+                args = fixed
+                GlobalHydra.instance().clear()
+            except SystemExit as stop:
+                if stop.code not in (0, None):
+                    forget_sweep()
+                raise
+    finally:
+        sys.argv = saved_argv
+        if user is None:
+            os.environ.pop(_FULL_ERROR, None)
+
+
+def train() -> None:
+    """The ``looplib-train`` console script: ``python -m looplib.train``, the same arguments."""
+    from .train import main
+    run(main)

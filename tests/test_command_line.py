@@ -1,0 +1,214 @@
+"""The command line forgives and explains (issue 21): both spellings of a group, Hydra's refusals as
+looplib's one line (exit 2, nothing written), resume=auto without a run directory, small data said,
+stdout for progress and stderr for problems, the sample saved and stopped at once by a signal."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+        "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0",
+        "checkpoint.enabled=false", "progress=lines", "max_steps=2"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def everything(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_both_spellings_of_a_group_make_the_same_config():
+    """precision=bf16 and +precision=bf16 (a strategy group), model=tiny and +model=tiny (a job group):
+    the same composed config, so the same config.yaml."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from looplib.cli import normalise
+    configs = []
+    for spelled in (["precision=bf16", "+model=tiny"], ["+precision=bf16", "model=tiny"]):
+        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+            configs.append(OmegaConf.to_yaml(compose(config_name="config", overrides=normalise([*spelled, *TINY]))))
+    assert "_target_: looplib.precision.BF16" in configs[0]
+    assert configs[0] == configs[1]
+
+
+KEYS = [  # Hydra's "use +key=value" followed, then looplib's check names the closest setting (in the job)
+    (["max_step=10"], "max_step: ", "did you mean max_steps?"),
+    (["model.n_layr=3"], "model.n_layr: ", "did you mean model.n_layer?"),
+]
+
+
+@pytest.mark.parametrize("args,start,names", KEYS, ids=[" ".join(a) for a, _, _ in KEYS])
+def test_an_unknown_key_with_or_without_plus_is_one_line_exit_2_nothing_written(tmp_path, args, start, names):
+    r = run_cli(*args, "data=random", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert len(lines(r.stderr)) == 1 and lines(r.stderr)[0].startswith(f"looplib: error: {start}"), r.stderr
+    assert names in r.stderr and "Traceback" not in r.stderr
+    assert everything(tmp_path) == []  # no outputs/, no .hydra/, nothing
+
+
+def refused_here(args: list[str], capsys) -> str:
+    """``python -m looplib.train ARGS`` in this process, for arguments refused before a job starts:
+    exit status 2 and the one line on stderr (returned)."""
+    from looplib import cli
+    from looplib.train import main
+    with pytest.raises(SystemExit) as stop:
+        cli.run(main, args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(lines(err)) == 1 and err.startswith("looplib: error: "), err
+    assert "HYDRA_FULL_ERROR" not in os.environ
+    return err.strip()
+
+
+REFUSED = [  # refused by Hydra as it composes: checked in this process (no job starts)
+    (["+optim=adam"], "optim: there is no option 'adam'", "did you mean adamw or adam8bit"),
+    (["optim=adam"], "optim: there is no option 'adam'", "(+optim=adamw)"),
+    (["model=gpt"], "model: there is no option 'gpt'", "(model=gpt2_small)"),
+    (["lr=1e-3,3e-4"], "lr: 'lr=1e-3,3e-4' holds several values", "add -m"),
+    (["lr=[1e-3"], "lr: cannot read the argument 'lr=[1e-3'", "override_grammar"),
+]
+
+
+@pytest.mark.parametrize("args,start,names", REFUSED, ids=[" ".join(a) for a, _, _ in REFUSED])
+def test_hydras_refusals_are_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, args, start, names):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    line = refused_here([*args, "data=random"], capsys)
+    assert line.startswith(f"looplib: error: {start}") and names in line, line
+    assert everything(tmp_path) == []
+
+
+def test_hydra_full_error_still_shows_hydras_report(tmp_path, monkeypatch, capsys):
+    from hydra.errors import MissingConfigException
+
+    from looplib import cli
+    from looplib.train import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(MissingConfigException, match="Could not find 'optim/adam'"):  # Hydra's own, with its traceback
+        cli.run(main, ["+optim=adam", "data=random"])
+    assert "looplib: error" not in capsys.readouterr().err
+    assert os.environ["HYDRA_FULL_ERROR"] == "1" and everything(tmp_path) == []
+
+
+def test_a_refused_multirun_leaves_no_sweep_directory(tmp_path, monkeypatch, capsys):
+    r = run_cli("-m", "lr=[1e-3,3e-4]", *TINY, cwd=tmp_path, env=ENV)  # refused by looplib in the job
+    assert r.returncode == 2, r.stderr
+    assert len(lines(r.stderr)) == 1 and r.stderr.startswith("looplib: error: lr: "), r.stderr
+    assert everything(tmp_path) == []  # no multirun/<date>/<time>/multirun.yaml
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    refused_here(["-m", "+optim=adam,sgd", *TINY], capsys)  # refused by Hydra as the sweep starts
+    assert everything(tmp_path) == []
+
+
+def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert "no run under outputs/ has a checkpoint" in refused_here(["resume=auto", *TINY], capsys)
+    assert everything(tmp_path) == []
+
+    saved = [a for a in TINY if not a.startswith(("checkpoint.", "max_steps"))] + ["max_steps=1"]
+    r = run_cli(*saved, cwd=tmp_path, env=ENV)  # a run with a checkpoint, in outputs/
+    assert r.returncode == 0, r.stderr
+    [earlier] = [p.relative_to(tmp_path) for p in (tmp_path / "outputs").glob("*/*")]
+    before = everything(tmp_path)
+    line = refused_here(["resume=auto", *TINY], capsys)
+    assert f"the most recent run with a checkpoint is {earlier} (step 1)" in line
+    assert line.endswith(f"continue it with: python -m looplib.train resume=auto {' '.join(TINY)} "
+                         f"hydra.run.dir={earlier}")
+    assert everything(tmp_path) == before  # no new run directory: never a silent fresh start
+
+
+def test_progress_on_stdout_problems_on_stderr_small_data_said_sample_saved(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(*TINY, "data.n_train=3", "batch_size=32", "accum_steps=4", "sample_tokens=6",
+                f"hydra.run.dir={run_dir}", cwd=tmp_path, env={**ENV, "LOOPLIB_PLOT": "1"})
+    assert r.returncode == 0, r.stderr
+    [warning] = lines(r.stderr)  # the one problem, on stderr only
+    assert "[WARNING] - small data: batch_size=32 is larger than the 3 training sequences" in warning
+    assert "fewer than accum_steps=4" in warning and "3 x 4 sequences" in warning
+    assert "small data" not in r.stdout
+    assert "steps 1-2 of 3 x 4 sequences" in r.stdout and "step 2/2" in r.stdout  # the real micro-batch
+    sample = (run_dir / "sample.txt").read_text()
+    assert sample.strip() and sample.strip() in r.stdout
+    if importlib.util.find_spec("matplotlib"):  # the single run's loss curve, at the end and on demand
+        assert (run_dir / "loss.png").stat().st_size > 0
+        from looplib import report
+        assert report.main([str(run_dir), "--out", str(tmp_path / "again")]) == 0
+        assert (tmp_path / "again" / "loss.png").stat().st_size > 0
+    else:
+        assert not (run_dir / "loss.png").exists()
+
+
+def test_a_signal_during_the_sample_stops_it_at_once_and_the_run_ends_as_done(tmp_path):
+    """The sample would take hours; SIGTERM while it runs ends the run as finished (exit 0)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "looplib.train", *TINY, "sample_tokens=100000000",
+                             f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", **ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "sampling 100000000 tokens" in line:
+            break
+    time.sleep(0.5)  # well inside the sample
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "done: " in out and "Traceback" not in out
+    assert (run_dir / "model.safetensors").exists() and not (run_dir / "sample.txt").exists()
+    assert [json.loads(x)["status"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "status" in json.loads(x)][-1:] in ([], ["finished"])
+
+
+def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warning(tmp_path):
+    import warnings
+
+    import torch
+
+    from looplib.errors import ConfigError
+    from looplib.state import load_state
+    path = tmp_path / "state.pt"
+    torch.save({"step": torch.tensor(3)}, path, pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(ConfigError, match="resume: .*state.pt"):
+        warnings.simplefilter("always")
+        load_state(path)
+    assert [str(w.message) for w in seen] == []
+
+
+def test_normalise_adds_or_drops_only_the_plus_of_a_group():
+    from looplib.cli import normalise
+    typed = ["-m", "precision=fp32,bf16", "+model=tiny", "optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)",
+             "++max_steps=3", "~loss", "+model.n_layer=2", "schedule=[cosine]", "--config-dir", "precision=x",
+             "hydra.run.dir=x", "data=random", "max_steps=1"]
+    assert normalise(typed) == ["-m", "+precision=fp32,bf16", "model=tiny", "+optim=choice(adamw,sgd)", "+engine=ddp",
+                                "lr=range(1,3)", "++max_steps=3", "~loss", "+model.n_layer=2", "+schedule=[cosine]",
+                                "--config-dir", "precision=x", "hydra.run.dir=x", "data=random", "max_steps=1"]
+    assert normalise(["--config-name", "mine", "precision=bf16"]) == ["--config-name", "mine", "precision=bf16"]
+
+
+def test_the_console_script_goes_through_the_same_layer(tmp_path):
+    script = Path(sys.executable).parent / "looplib-train"
+    if not script.exists():
+        pytest.skip("looplib-train is not installed beside this Python")
+    r = subprocess.run([str(script), "optim=adam", "data=random"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300)
+    assert r.returncode == 2, r.stderr
+    [line] = lines(r.stderr)
+    assert line.startswith("looplib: error: optim: there is no option 'adam'; did you mean adamw or adam8bit "
+                           "(+optim=adamw)? the options are: "), line
+    assert everything(tmp_path) == []
