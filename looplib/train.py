@@ -18,7 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import autobatch, loggers, rundir
+from . import autobatch, loggers, rundir, sweep
 from .accumulation import Accumulation
 from .build import Settings, blame, check_config, check_sequences_fit, instantiate
 from .data import Epochs, build_loader
@@ -56,7 +56,9 @@ class Job:
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model)."""
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
-    trackers = loggers.build(cfg)  # +logger= choices: keys checked, libraries imported (a missing one: ConfigError)
+    # +logger= choices (keys checked, libraries imported: a missing one is a ConfigError), and in a pruned
+    # search the trial's reporter (looplib.sweep)
+    trackers = loggers.Loggers(loggers.build(cfg), *sweep.reporting(cfg))
     engine = instantiate(cfg, "engine")
     precision = instantiate(cfg, "precision")
     precision.setup(engine.device)
@@ -277,14 +279,13 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://looplib.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
-    status = execute(cfg, run_dir, signals)
+    status = sweep.job(lambda: execute(cfg, run_dir, signals))  # in a sweep, a crash is a failed trial
     signals.finish()                 # from here on a signal changes nothing
     rundir.write_exit_status(status)
-    if status:
-        sys.exit(status)
+    return sweep.outcome(cfg, run_dir, status, signals)  # the objective for a sweeper; exits on failure
 
 
 if __name__ == "__main__":
