@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
-HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
+HYDRA_OWN = (".hydra", "multirun.yaml")
+SEARCH = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper  # and *.log: what Hydra writes before a job starts
 
 
 def results(path: Path) -> list[str]:
@@ -119,6 +120,8 @@ class RunDirGuard(Callback):
         self._check(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH:
+            return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.sweep)
         self._check(config, "hydra.sweep.dir")
 
 

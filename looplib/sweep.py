@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import EXIT_CONFIG
+from .rundir import SEARCH as SWEEPER  # hydra/sweeper=optuna
 from .loggers import Logger
 from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Signals
 
 log = logging.getLogger("looplib")
 
-SWEEPER = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # hydra/sweeper=optuna
 PRUNED = "pruned by the study"  # Signals.stop's reason
 STOPS_THE_SWEEP = (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED)  # bad input, Ctrl-C, preemption
 

@@ -121,7 +121,9 @@ class Search:
                    "see optuna.pruners' MedianPruner / HyperbandPruner arguments")
         self.n_trials, self.n_jobs = n_trials, n_jobs
         self.space, self.fixed = self.search_space(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()])
-        self.sampler = self.make_sampler(sampler)
+        self.sampler_node = OmegaConf.to_container(sampler, resolve=True) if sampler is not None else {
+            "_target_": "optuna.samplers.TPESampler"}
+        self.sampler = self.make_sampler(0)
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
         self.default_storage = storage is None
         self.storage = storage or f"sqlite:///{self.sweep_dir / STUDY_DB}"
@@ -151,9 +153,13 @@ class Search:
                    "give one, e.g. 'lr=tag(log, interval(1e-4, 1e-2))' or '+precision=choice(fp32,bf16)'")
         return space, fixed
 
-    def make_sampler(self, node) -> optuna.samplers.BaseSampler:
-        node = OmegaConf.to_container(node, resolve=True) if node is not None else {"_target_": "optuna.samplers.TPESampler"}
+    def make_sampler(self, trials_before: int) -> optuna.samplers.BaseSampler:
+        """The sampler; a seeded one continuing a study is seeded ``seed + trials_before``, so that
+        it does not suggest again what the first run's startup trials tried."""
+        node = dict(self.sampler_node)
         target = node.pop("_target_")
+        if node.get("seed") is not None:
+            node["seed"] += trials_before
         if target == "optuna.samplers.GridSampler":
             grid = {name: grid_points(name, dist) for name, dist in self.space.items()}
             self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
@@ -181,9 +187,13 @@ class Search:
                                       pruner=self.pruner)
             before = study.user_attrs.get("looplib_sweep")
             if before is not None and before != self.signature:
-                changed = [k for k in self.signature if before.get(k) != self.signature[k]]
-                refuse(key, f"{self.storage} holds study {self.study_name!r} of another sweep (its {', '.join(changed)} "
-                       f"differ: {before[changed[0]]} there)", f"give a new directory ({key}=...) or the same command")
+                there = [o for o in before["search"] if o not in self.signature["search"]]
+                there += [f"sweep.{k}={before[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
+                here = [o for o in self.signature["search"] if o not in before["search"]]
+                here += [f"sweep.{k}={self.signature[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
+                refuse(key, f"{self.storage} holds study {self.study_name!r} of another sweep ({' '.join(there) or '-'} "
+                       f"there, {' '.join(here) or '-'} here)", f"give a new directory ({key}=...), or the same command")
+            study.sampler = self.make_sampler(len(study.get_trials(deepcopy=False)))
             return study
         if self.default_storage and (existing or rundir.results(self.sweep_dir)):
             held = ", ".join(existing) or ", ".join(rundir.results(self.sweep_dir)[:4])
@@ -237,13 +247,18 @@ class Search:
             value = float(value)
         except (TypeError, ValueError):
             value = math.nan
-        if math.isfinite(value):
-            study.tell(trial.number, value, skip_if_finished=True)  # a pruned trial was told by its job
-        else:
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        try:
+            if math.isfinite(value):
+                study.tell(trial.number, value, skip_if_finished=True)  # a pruned trial was told by its job
+            else:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        except RuntimeError as err:  # the grid sampler, its grid done, calls study.stop(): told all the same
+            if "Study.stop" not in str(err):
+                raise
         state = study.get_trials(deepcopy=False)[trial.number].state
         log.info("trial %d %s: %s %s (%s)", trial.number, state.name.lower(), self.metric,
-                 f"{value:.6g}" if math.isfinite(value) else "none", " ".join(trial.user_attrs["overrides"]))
+                 f"{value:.6g}" if math.isfinite(value) else "none",
+                 " ".join(f"{k}={value_text(v)}" for k, v in trial.params.items()))
 
     def write_results(self, study: optuna.study.Study) -> None:
         """``optimization_results.yaml`` in the sweep directory, as Hydra's Optuna sweeper writes it."""
