@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -133,6 +134,7 @@ class TrialReporter(Logger):
         self.number, self.metric, self.pruned_at = trial, metric, None
         trial_id = next(t._trial_id for t in self.study.get_trials(deepcopy=False) if t.number == trial)
         self.trial = optuna.trial.Trial(self.study, trial_id)  # the sweeper asked it; this process reports to it
+        self.trial.set_user_attr("pid", os.getpid())  # which process ran it (a parallel launcher's worker)
 
     def log(self, row: dict) -> None:
         value = row.get(self.metric)
