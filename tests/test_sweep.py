@@ -76,8 +76,7 @@ def test_running_again_continues_the_study_and_a_killed_sweep_loses_only_its_tri
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    r = run_cli(*TPE[1:], "-m", "hydra.sweeper.n_trials=8", f"hydra.sweep.dir={tpe_sweep}", cwd=tpe_sweep.parent,
-                env=ENV)
+    r = run_cli(*cmd[3:], cwd=tpe_sweep.parent, env=ENV)  # the same command again
     assert r.returncode == 0, r.stderr
     trials = study_of(tpe_sweep).get_trials()
     assert {t.number: t.value for t in trials[:6]} == before  # the study's finished trials are kept

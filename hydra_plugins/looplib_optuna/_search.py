@@ -128,8 +128,9 @@ class Search:
         self.default_storage = storage is None
         self.storage = storage or f"sqlite:///{self.sweep_dir / STUDY_DB}"
         self.study_name = study_name or DEFAULT_NAME
-        self.signature = {"search": sorted(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()]),
-                          "metric": self.metric, "direction": self.direction}
+        lines = list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()]
+        effective = {line.split("=", 1)[0].lstrip("+~"): line for line in lines}  # the last of a key wins
+        self.signature = {"search": sorted(effective.values()), "metric": self.metric, "direction": self.direction}
 
     # ------------------------------------------------------------------ checks (nothing written yet)
     def search_space(self, lines: list[str]) -> tuple[dict, list[str]]:
