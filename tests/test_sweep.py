@@ -132,6 +132,14 @@ def test_bad_input_is_one_line_exit_2_and_the_study_untouched(tpe_sweep, tmp_pat
     assert not (tmp_path / "new").exists()
 
 
+def test_without_optuna_the_sweeper_says_what_to_install(tmp_path):
+    (tmp_path / "optuna.py").write_text("raise ImportError('No module named optuna')\n")  # as if not installed
+    r = run_cli(*TPE, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, env={**ENV, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr == ("looplib: error: hydra/sweeper=optuna: needs Optuna >= 4 (No module named "
+                                              "optuna); pip install 'looplib[optuna]'\n")
+    assert not (tmp_path / "sweep").exists()  # (Hydra's plugin scan, which every run makes, got past the plugin)
+
+
 def test_hydras_nevergrad_sweeper_receives_each_jobs_objective(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_nevergrad_sweeper", reason="hydra-nevergrad-sweeper does not install")
     sweep = tmp_path / "sweep"

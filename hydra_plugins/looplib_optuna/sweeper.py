@@ -32,10 +32,13 @@ class OptunaSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> Any:
-        from ._search import Search, refuse
         try:
+            from ._search import Search
             search = Search(self.config, arguments, **self.settings)
-        except ImportError as err:
-            refuse("hydra/sweeper=optuna", f"needs Optuna >= 4, which does not import ({err})",
-                   "pip install 'looplib[optuna]'")
+        except ImportError as err:  # one line, exit 2, as for every setting looplib refuses
+            import sys
+            from looplib.errors import EXIT_CONFIG, ConfigError
+            refused = ConfigError("hydra/sweeper=optuna", f"needs Optuna >= 4 ({err})", "pip install 'looplib[optuna]'")
+            print(f"looplib: error: {refused}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_CONFIG)
         return search.run(self.launcher)
