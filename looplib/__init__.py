@@ -6,25 +6,28 @@
 
 or, piece by piece, ``fit(model, loader, objective=..., optimizer=..., precision=..., ...)``.
 The base classes to subclass are ``Precision``/``Autocast``, ``OptimizerFactory``, ``Schedule``,
-``Compile``, ``Evaluation``, ``FullModel`` (adapters) and ``Corpus`` (data); see
+``Compile``, ``Evaluation``, ``FullModel`` (peft) and ``Corpus`` (data); see
 docs/extending.md. Heavy optional libraries (bitsandbytes, deepspeed, peft, transformers,
 matplotlib) are imported only when chosen; importing looplib never imports Hydra.
 """
 from .accumulation import Accumulation, Window
-from .adapters import GPT_LINEARS, FullModel, LoRA, load_lora
-from .api import Trained, train_model
+from .peft import GPT_LINEARS, FullModel, LoRA, load_lora
+from .api import Datasets, Trained, train_model
 from .checkpointing import ActivationCheckpointing, Checkpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
 from .errors import ConfigError
-from .evaluation import Evaluation, HalfWeights
-from .loop import TrainState, evaluate, fit
-from .objectives import SequenceCrossEntropy, TokenCrossEntropy
-from .optim import (SGD, Adafactor, Adam8bit, AdamW, Constant, OptimizerFactory, Schedule, WarmupCosine,
-                    list_optimizers, param_groups)
+from .evaluation import Evaluation, HalfWeights, evaluate
+from .loop import fit
+from .loss import SequenceCrossEntropy, TokenCrossEntropy
+from .optim import SGD, Adafactor, Adam8bit, AdamW, OptimizerFactory, list_optimizers, param_groups
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision
+from .signals import Interrupted
+from .checkpoints import NumericError, SaveError
+from .schedule import Constant, Schedule, WarmupCosine
 from .telemetry import Telemetry
+from .train_state import TrainState
 
 __version__ = "0.1.0"
 
@@ -33,7 +36,7 @@ __all__ = [
     "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
-    "train_model", "Trained", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
+    "train_model", "Trained", "Datasets", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
     "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
     "GPT_LINEARS",
     "Checkpointing", "ActivationCheckpointing",

@@ -47,3 +47,16 @@ class Accumulation:
 def batch_size(batch) -> int:
     first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
     return len(first)
+
+
+# The micro-batch x accumulation splits of a global batch (batch_size=auto, python -m looplib.plan)
+MULTIPLE = 8  # tensor cores like dimensions that are multiples of 8
+
+
+def candidates(per_rank: int) -> tuple[list[int], list[int]]:
+    """Divisors of the per-rank global batch: multiples of 8 (tried smallest first, until one
+    does not fit), and the others (tried largest first when not even the first one fits)."""
+    divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    eights = [d for d in divisors if d % MULTIPLE == 0]
+    small = [d for d in reversed(divisors) if d < (eights[0] if eights else per_rank + 1)]
+    return eights, small

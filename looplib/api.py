@@ -1,108 +1,167 @@
-"""The loop without Hydra: ``train_model`` does what ``python -m looplib.train`` does, in Python.
+"""The command line without Hydra: ``train_model`` builds and runs exactly what ``python -m
+looplib.train`` builds and runs (``looplib.assemble``), from Python objects.
 
     from looplib import BF16, AdamW, train_model
     result = train_model(MyModel(), my_dataset, max_steps=1000, batch_size=8, accum_steps=4,
-                         precision=BF16(), optim=AdamW(lr=3e-4, weight_decay=0.1))
+                         precision=BF16(), optim=AdamW(lr=3e-4, weight_decay=0.1), run_dir="runs/first")
 
-Every argument is the same strategy object a config group builds (``conf/<group>/*.yaml``
-names its class and arguments); an argument left out is that group's plain-PyTorch default.
-Nothing here imports Hydra or OmegaConf.
+Every strategy argument is the object a config group builds (``conf/<group>/*.yaml`` names its
+class and arguments); one left out is that group's plain-PyTorch default. The other keyword
+arguments are the command line's settings, checked by the same rules (one ``ConfigError``
+line on a bad value). Nothing here imports Hydra or OmegaConf.
+
+``run_dir=PATH`` writes what a CLI run writes: metrics.jsonl, config.yaml (the settings and
+the class of every part), checkpoints/ (every ``checkpoint_every`` steps and at the end, the
+newest ``keep`` kept), the exported weights; ``resume="auto"`` (or a checkpoint path)
+continues a run. SIGTERM/SIGUSR1 and Ctrl-C save at the next step boundary as on the command
+line, then raise ``Interrupted`` (``.status`` 75 or 130, ``.result`` the ``Trained`` so far);
+a run with too many non-finite steps raises ``NumericError``, a failed save ``SaveError``.
+Without ``run_dir`` nothing is written but ``metrics=PATH``, which starts afresh (a warning
+says so when it held an earlier run's rows): it never appends.
 
 It speaks like the CLI: a progress bar on a terminal, progress lines otherwise (through the
 ``looplib`` logger; when the caller has configured no logging at all, a handler printing
-INFO lines to stderr is added). ``metrics=PATH`` writes that run's rows to PATH, starting the
-file afresh (a warning says so when it held an earlier run's rows): it never appends.
-``logger=`` takes the same trackers as ``+logger=`` (``looplib.loggers``).
+INFO lines to stderr is added). ``logger=`` takes the same trackers as ``+logger=``.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .accumulation import Accumulation
-from .adapters import FullModel
+from . import assemble
+from .peft import FullModel
+from .assemble import Parts, Record, Trained
+from .checkpointing import Checkpointing
 from .compile import Compile
-from .data import Epochs, build_loader
+from .data import Corpus
 from .engines import Engine
+from .errors import ConfigError
 from .evaluation import Evaluation
-from .loggers import Logger, Run
-from .loop import TrainState, fit
-from .objectives import TokenCrossEntropy
+from .loggers import Logger
+from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
-from .telemetry import Telemetry
+from .settings import settings_from
+from .signals import Interrupted, Signals
 
 log = logging.getLogger("looplib")
 
-
-@dataclass
-class Trained:
-    model: nn.Module                 # on the device; wrapped by peft when an adapter was chosen
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    state: TrainState
-    eval_loss: float | None          # on ``eval_dataset`` after the last step (None without one)
+__all__ = ["train_model", "Trained", "Datasets"]
 
 
-def train_model(model: nn.Module, dataset: Dataset, *, max_steps: int, batch_size: int = 8,
-                accum_steps: int = 1, objective=None, precision: Precision | None = None,
+class Datasets(Corpus):
+    """A corpus made of plain datasets: ``train_model``'s ``dataset`` and ``eval_dataset``."""
+
+    def __init__(self, train: Dataset, eval: Dataset | None = None, collate=None):
+        self.train, self.eval, self.collate = train, eval, collate
+
+
+def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, batch_size: int | str = 8,
+                accum_steps: int = 1, global_batch_size: int | None = None,
+                objective: TokenCrossEntropy | None = None, precision: Precision | None = None,
                 optim: OptimizerFactory | None = None, schedule: Schedule | None = None,
                 peft: FullModel | None = None, compile: Compile | None = None,
-                evaluation: Evaluation | None = None, eval_dataset: Dataset | None = None,
-                eval_every: int = 0, eval_batches: int = 8, max_grad_norm: float | None = 1.0,
-                device: str = "auto", seed: int = 0, metrics: str | Path | None = None,
-                log_every: int = 10, engine: Engine | None = None, collate_fn=None, progress: str = "auto",
-                logger: Logger | None = None) -> Trained:
-    """Set the pieces up in the order the CLI does (device, precision, adapter, compile,
-    optimizer, schedule, loaders) and run ``looplib.fit``. ``collate_fn``: a corpus's
-    ``collate`` for samples of different lengths (``looplib.data.InstructCorpus``);
-    ``progress``: auto (a bar on a terminal), bar or lines; ``logger``: trackers
-    (``looplib.loggers``), rank 0 only."""
+                evaluation: Evaluation | None = None, checkpointing: Checkpointing | None = None,
+                engine: Engine | None = None, logger: Logger | None = None,
+                eval_dataset: Dataset | None = None, eval_every: int = 0, eval_batches: int = 8,
+                max_grad_norm: float | None = 1.0, device: str = "auto", seed: int = 0,
+                run_dir: str | Path | None = None, checkpoint_every: int | None = 100, keep: int = 2,
+                resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
+                metrics: str | Path | None = None, log_every: int = 10, max_bad_steps: int = 25,
+                sample_tokens: int = 0, peak_tflops: float | None = None, progress: str = "auto",
+                loader: dict[str, Any] | None = None, collate_fn=None) -> Trained:
+    """Train ``model`` on ``dataset`` (a dataset of dict samples, or a ``looplib.data.Corpus``
+    such as ``TextCorpus``) with the given strategies. ``collate_fn``: a corpus's ``collate`` for
+    samples of different lengths; ``loader``: the DataLoader keys of the CLI's ``loader.*``
+    (num_workers, pin_memory, ...); ``checkpoint_every``: steps between checkpoints (0: only at
+    the end, None: none at all, as ``checkpoint.enabled=false``); ``export``: ``auto`` writes what the CLI writes into the run
+    directory (model.safetensors, hf/ for a transformers model, the adapter under LoRA), ``hf``
+    insists on a transformers export, None writes no weights. Returns ``Trained`` (model,
+    optimizer, scheduler, state, eval_loss, run_dir, last_row)."""
     speak()
-    engine = engine or Engine(device)
-    precision = precision or Precision()
-    precision.setup(engine.device)
-    objective = objective or TokenCrossEntropy()
-    evaluation = evaluation or Evaluation()
-    compile = compile or Compile()
-    model = compile.wrap(engine.setup(precision.convert((peft or FullModel()).wrap(model))))
-    objective = compile.wrap_loss(objective)
-    optimizer = (optim or AdamW()).build(model)  # the command line's defaults (looplib.optim.LR, ...)
-    scheduler = (schedule or Schedule()).build(optimizer, max_steps)
-    train = build_loader(dataset, batch_size=batch_size, seed=seed, device=engine.device,
-                         rank=engine.rank, world=engine.world_size, collate_fn=collate_fn)
-    held_out = None
-    if eval_dataset is not None:
-        loader = build_loader(eval_dataset, batch_size=batch_size, seed=seed, shuffle=False, device=engine.device,
-                              collate_fn=collate_fn)
-        held_out = [b for _, b in zip(range(eval_batches), loader)]
-    if metrics is not None and engine.is_main:
-        metrics = fresh_file(Path(metrics))
-    settings = dict(max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps, seed=seed,
-                    max_grad_norm=max_grad_norm, eval_every=eval_every, eval_batches=eval_batches, log_every=log_every,
-                    **{name: type(obj).__name__ for name, obj in (("model", model), ("objective", objective),
-                       ("precision", precision), ("optimizer", optimizer), ("engine", engine))})
-    run_dir = Path(metrics).parent if metrics is not None else Path.cwd()
-    telemetry = Telemetry(metrics, log_every=log_every, total_steps=max_steps, device=engine.device,
-                          enabled=engine.is_main, progress=progress, logger=logger,
-                          run=Run(run_dir, settings, run_dir.name or "looplib"))
-    telemetry.items = getattr(objective, "items", "tokens")  # tokens/s, or sequences/s
+    settings = settings_from(dict(
+        device=device, seed=seed, max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps,
+        global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,
+        eval_batches=eval_batches, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
+        resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
+        loader=dict(loader or {}),
+        checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))
+    if isinstance(dataset, Corpus):
+        if eval_dataset is not None or collate_fn is not None:
+            raise ConfigError("eval_dataset", "a Corpus brings its own held-out split and collate",
+                              "leave eval_dataset and collate_fn out, or pass plain datasets")
+        data = dataset
+    else:
+        data = Datasets(dataset, eval_dataset, collate_fn)
+    if sample_tokens and type(data).encode is Corpus.encode:
+        raise ConfigError("sample_tokens", "a sample at the end needs data that can encode a prompt (a Corpus)",
+                          "pass a looplib.data.Corpus as the dataset, or leave sample_tokens=0")
+    if resume is not None and run_dir is None:
+        raise ConfigError("resume", f"resume={resume} needs the run directory to continue in",
+                          "pass run_dir=PATH (the directory of the run to continue)")
+    if run_dir is not None:
+        from .rundir import check as check_run_dir
+        check_run_dir(Path(run_dir), settings.resume, "run_dir")  # never mixed into another run's files
+    parts = Parts(model, data, objective or TokenCrossEntropy(), precision or Precision(), optim or AdamW(),
+                  schedule or Schedule(), engine, peft or FullModel(), compile or Compile(),
+                  evaluation or Evaluation(), checkpointing or Checkpointing(), logger or Logger())
+    if export == "hf" and not hasattr(model, "export"):
+        raise ConfigError("export", f"export='hf' needs a transformers model (looplib.hf), not {type(model).__name__}",
+                          "use export='auto' (model.safetensors), or wrap the model with looplib.hf.CausalLM")
+    signals = Signals()
     try:
-        state = fit(model, Epochs(train), objective=objective, optimizer=optimizer, scheduler=scheduler,
-                    precision=precision, accumulation=Accumulation(accum_steps), engine=engine,
-                    max_steps=max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
-                    eval_data=held_out, eval_every=eval_every, evaluator=evaluation)
-        if held_out and not (eval_every and state.step % eval_every == 0):
-            telemetry.eval(state.step, evaluation(model, held_out, objective, precision, engine))
-        telemetry.finish("finished", {"metrics": str(metrics)} if metrics is not None else {})
+        signals.__enter__()  # SIGTERM, SIGUSR1, Ctrl-C handled as on the command line
+    except ValueError:  # not the main thread: signals stay with the caller
+        signals = Signals()
+    try:
+        parts.engine = assemble.check(settings, engine, parts.precision, parts.optim, parts.evaluation)
+        job = assemble.build(parts, settings, record(settings, parts, run_dir))
+        where = None if run_dir is None else job.engine.shared_run_dir(Path(run_dir))  # one directory: rank 0's
+        if metrics is not None and where is None and job.engine.is_main:
+            metrics = fresh_file(Path(metrics))
+        trained = assemble.run(job, where, signals, metrics=None if metrics is None else Path(metrics),
+                               export=export is not None)
     finally:
-        telemetry.close()
-    return Trained(model, optimizer, scheduler, state, telemetry.last_row.get("eval_loss"))
+        signals.__exit__()
+    if trained.state.preempted:
+        raise Interrupted(signals.signum, trained)
+    job.engine.close()  # a collective (DDP, DeepSpeed): every rank got here
+    return trained
+
+
+def record(settings, parts: Parts, run_dir: str | Path | None) -> Record:
+    """config.yaml of a Python run: the settings, and each part's class with its plain settings
+    (a resumed run is refused if one of them changed, as on the command line)."""
+    config = asdict(settings)
+    for group, obj in (("model", parts.model), ("data", parts.data), ("loss", parts.objective),
+                       ("precision", parts.precision), ("optim", parts.optim), ("schedule", parts.schedule),
+                       ("engine", parts.engine), ("peft", parts.peft), ("compile", parts.compile),
+                       ("evaluation", parts.evaluation), ("checkpointing", parts.checkpointing)):
+        config[group] = describe(obj, plain=group not in ("model", "data"))
+    where = f"run_dir={str(run_dir)!r}, " if run_dir is not None else ""
+    return Record(config, name=Path(run_dir).name if run_dir else "looplib",
+                  resume_hint=f"train_model(..., {where}resume='auto')")
+
+
+def describe(obj: Any, plain: bool = True) -> dict:
+    """``{"_target_": "package.Class", key: value, ...}``: the object's class and, when ``plain``,
+    its public attributes that are plain values (numbers, strings, booleans, tuples of them)."""
+    out: dict[str, Any] = {"_target_": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+    if obj is None:
+        return {"_target_": None}
+    for key, value in (vars(obj).items() if plain and hasattr(obj, "__dict__") else ()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, (bool, int, float, str, type(None))):
+            out[key] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            out[key] = list(value)
+    return out
 
 
 def speak() -> None:

@@ -1,8 +1,8 @@
 """``batch_size=auto``: the largest micro-batch that fits, and the accumulation that keeps the
 global batch unchanged (the guides' order: fill the device first, then accumulate).
 
-Each candidate micro-batch runs one real forward and backward on samples of the training
-set. A CUDA out-of-memory error is recovered from (references dropped, gradients set to
+Each candidate micro-batch runs one step of the real loop (``looplib.fit``) on samples of the
+training set, with an optimizer that changes nothing. A CUDA out-of-memory error is recovered from (references dropped, gradients set to
 None, the caching allocator emptied) and the previous size is kept. The RNG state is put
 back afterwards, so an auto run trains exactly like the same sizes typed by hand.
 """
@@ -13,23 +13,14 @@ import logging
 from typing import Callable
 
 import torch
-from omegaconf import DictConfig, open_dict
 from torch.utils.data import default_collate
 
+from .accumulation import candidates
 from .errors import ConfigError
+from .loop import fit
 
 log = logging.getLogger("looplib")
 
-MULTIPLE = 8  # tensor cores like dimensions that are multiples of 8
-
-
-def candidates(per_rank: int) -> tuple[list[int], list[int]]:
-    """Divisors of the per-rank global batch: multiples of 8 (tried smallest first, until one
-    does not fit), and the others (tried largest first when not even the first one fits)."""
-    divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    eights = [d for d in divisors if d % MULTIPLE == 0]
-    small = [d for d in reversed(divisors) if d < (eights[0] if eights else per_rank + 1)]
-    return eights, small
 
 
 def find_micro_batch(fits: Callable[[int], bool], per_rank: int) -> tuple[int | None, list[tuple[int, bool]]]:
@@ -63,37 +54,50 @@ def free_memory(model: torch.nn.Module, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+class NoStep(torch.optim.Optimizer):
+    """An optimizer that changes nothing: probing runs the loop's whole step, weights untouched."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})  # an lr for the loop's constant schedule to read
+
+    def step(self, closure=None):
+        return None
+
+
 def probe(job, reserve_bytes: int = 0) -> Callable[[int], bool]:
-    """``fits(size)``: one forward and backward of ``size`` training samples on the device, with
-    ``reserve_bytes`` (the optimizer state to come) held aside on a GPU."""
-    dataset, engine, model = job.corpus.train, job.engine, job.model
-    collate = getattr(job.corpus, "collate", None) or default_collate  # padded data: the corpus's own
+    """``fits(size)``: one optimizer step of the real loop (``looplib.fit``: to the device,
+    forward and loss under the precision, backward, unscale, clip) on ``size`` training samples,
+    with an optimizer that changes nothing and ``reserve_bytes`` (the optimizer state to come)
+    held aside on a GPU. Every rank probes the same sizes; a size fits only if it fits on all."""
+    data, engine, model = job.data, job.engine, job.model
+    collate = data.collate or default_collate  # padded data: the corpus's own
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def fits(size: int) -> bool:
-        ballast = None
+        ballast, ok = None, True
+        scaler = job.precision.state_dict()  # fp16: a probe's overflow must not move the loss scale
         try:
             if reserve_bytes and engine.device.type == "cuda":
                 ballast = torch.empty(reserve_bytes, dtype=torch.uint8, device=engine.device)
-            batch = engine.to_device(collate([dataset[i % len(dataset)] for i in range(size)]))
-            with job.precision.autocast():
-                loss = job.objective(model, batch) / max(1, job.objective.count(batch))
-            job.precision.backward(loss)
-            del loss, batch
-            return True
+            batch = collate([data.train[i % len(data.train)] for i in range(size)])
+            fit(model, [batch], objective=job.objective, optimizer=NoStep(params), max_steps=1,
+                precision=job.precision, engine=engine, max_grad_norm=job.settings.max_grad_norm)
         except Exception as err:  # noqa: BLE001 - anything but OOM is re-raised
             if not is_out_of_memory(err):
                 raise
-            return False
+            ok = False
         finally:
             del ballast
+            job.precision.load_state_dict(scaler)
             free_memory(model, engine.device)
+        return not engine.any_rank(not ok)
 
     return fits
 
 
-def resolve(job, reserve_bytes: int = 0) -> None:
-    """Replace ``batch_size=auto`` by the chosen micro-batch and set ``accum_steps`` (in the
-    settings and in the config that is saved with the run)."""
+def resolve(job, reserve_bytes: int = 0) -> tuple[int, int]:
+    """The micro-batch and accumulation for ``batch_size=auto``: the largest micro-batch that fits
+    and the accumulation that keeps ``global_batch_size``. Probing consumes no randomness."""
     s, world = job.settings, job.engine.world_size
     if s.global_batch_size % world:
         raise ConfigError("global_batch_size", f"global_batch_size={s.global_batch_size} does not split over "
@@ -101,7 +105,6 @@ def resolve(job, reserve_bytes: int = 0) -> None:
     per_rank = s.global_batch_size // world
     rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     was_training = job.model.training
-    job.model.train()
     try:
         best, tried = find_micro_batch(probe(job, reserve_bytes), per_rank)
     finally:
@@ -115,13 +118,7 @@ def resolve(job, reserve_bytes: int = 0) -> None:
         raise ConfigError("batch_size", f"batch_size=auto: not even a micro-batch of 1 fits on {job.engine.device}",
                           "turn on +checkpointing=blocks, +precision=bf16 or +optim=adam8bit "
                           "(python -m looplib.plan shows where the memory goes)")
-    s.batch_size, s.accum_steps = best, per_rank // best
-    set_chosen(job.cfg, s.batch_size, s.accum_steps)
     log.info("batch_size=auto: micro-batch %d x %d accumulation steps x %d process(es) = global batch %d "
-             "(tried %s)", s.batch_size, s.accum_steps, world, s.global_batch_size,
+             "(tried %s)", best, per_rank // best, world, s.global_batch_size,
              ", ".join(f"{n}:{'fits' if ok else 'out of memory'}" for n, ok in tried))
-
-
-def set_chosen(cfg: DictConfig, batch_size: int, accum_steps: int) -> None:
-    with open_dict(cfg):
-        cfg.batch_size, cfg.accum_steps = batch_size, accum_steps
+    return best, per_rank // best

@@ -1,7 +1,7 @@
 """Activation checkpointing: recompute chosen submodules' activations in backward.
 
-Not to be confused with *state* checkpoints (saving a run to disk, ``looplib/state.py``):
-this module trades compute for activation memory with ``torch.utils.checkpoint``
+Not to be confused with the saved-state checkpoints of the top-level ``checkpoint:`` settings
+(saving a run to disk: ``looplib/checkpoints.py``, ``checkpoint_files.py``, ``resume.py``): this module trades compute for activation memory with ``torch.utils.checkpoint``
 (``use_reentrant=False``, the variant that works with DDP, keyword arguments and
 inputs that do not require grad).
 

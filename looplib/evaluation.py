@@ -2,21 +2,38 @@
 half-precision copy of them (``+evaluation=bf16`` / ``fp16``: the guides' "full fp16/bf16 eval").
 
 A strategy is any callable ``(model, batches, objective, precision, engine) -> float``, the
-signature of ``looplib.loop.evaluate``; ``fit(..., evaluator=...)`` takes one.
+signature of ``evaluate`` (below); ``fit(..., evaluator=...)`` takes one. A strategy that casts the
+model's weights says so (``casts_weights``): an engine that shards them (FSDP) refuses it.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
-from .loop import evaluate
 from .precision import Precision
 
+if TYPE_CHECKING:  # the engine is only passed through: no import of the floor above
+    from .engines.local import Engine
+
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, batches, objective, precision: Precision, engine: Engine) -> float:
+    """Mean loss per item over ``batches``, under the precision context, in inference mode."""
+    was_training = model.training
+    model.eval()
+    total, items = torch.zeros((), device=engine.device), 0
+    for batch in batches:
+        items += objective.count(batch)
+        with precision.autocast():
+            total += objective(model, engine.to_device(batch)).float()
+    model.train(was_training)
+    return total.item() / max(items, 1)
 
 
 class Scores(float):
@@ -36,6 +53,8 @@ def scored(loss: float, objective) -> float:
 class Evaluation:
     """Evaluate the training model as it is, under the training precision's autocast."""
 
+    casts_weights = False  # True: swaps every parameter's .data for a cast copy while evaluating
+
     def __call__(self, model, batches, objective, precision, engine) -> float:
         return scored(evaluate(model, batches, objective, precision, engine), objective)
 
@@ -48,6 +67,8 @@ class HalfWeights(Evaluation):
     the evaluation. Matmuls then run in 16 bits with no per-op casting: faster than autocast
     on tensor-core GPUs, and an eval-only run needs half the weight memory.
     """
+
+    casts_weights = True
 
     def __init__(self, dtype: Literal["bfloat16", "float16"] = "bfloat16"):
         if dtype not in HALF:

@@ -58,7 +58,7 @@ def load_hf(directory: Path, device: torch.device):
     transformers = import_transformers()
     adapter = directory / "adapter_config.json"
     if adapter.is_file():
-        from .adapters import import_peft
+        from .peft import import_peft
         peft = import_peft()
         task = json.loads(adapter.read_text()).get("task_type")
         auto = peft.AutoPeftModelForSequenceClassification if task == "SEQ_CLS" else peft.AutoPeftModelForCausalLM

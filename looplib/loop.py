@@ -13,8 +13,10 @@ from torch.utils.data import DataLoader
 from .accumulation import Accumulation
 from .data import Epochs
 from .engines import Engine
+from .evaluation import evaluate
 from .precision import Precision
-from .state import Checkpoints, TrainState
+from .checkpoints import Checkpoints
+from .train_state import TrainState
 from .telemetry import Telemetry
 
 
@@ -74,17 +76,3 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
         norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True)
     # FSDP: the norm of sharded gradients is a replicated DTensor holding the global norm
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-@torch.inference_mode()
-def evaluate(model: nn.Module, batches, objective, precision: Precision, engine: Engine) -> float:
-    """Mean loss per item over ``batches``, under the precision context, in inference mode."""
-    was_training = model.training
-    model.eval()
-    total, items = torch.zeros((), device=engine.device), 0
-    for batch in batches:
-        items += objective.count(batch)
-        with precision.autocast():
-            total += objective(model, engine.to_device(batch)).float()
-    model.train(was_training)
-    return total.item() / max(items, 1)

@@ -1,4 +1,4 @@
-"""Optimizer factories and learning-rate schedules.
+"""Optimizer factories (the group ``optim``; learning-rate schedules: ``looplib.schedule``).
 
 A factory holds settings from its config file (``conf/optim/<name>.yaml``) and builds the
 optimizer once the model exists: runtime objects are passed where they are used, never put
@@ -6,15 +6,14 @@ in config. Every factory shares one parameter-grouping policy, ``param_groups``.
 """
 from __future__ import annotations
 
-import math
 from importlib import resources
 from typing import Annotated, Literal
 
 import torch
 from torch import nn
 
-from .errors import ConfigError
-from .schema import Beta, Fraction, NonNegative, Positive, Range
+from .errors import ConfigError, need
+from .schema import Beta, NonNegative, Positive, Range
 
 # The optimizer defaults, one set for the command line (conf/config.yaml's lr and weight_decay,
 # conf/optim/*.yaml), the classes below and ``train_model``; tests/test_validation.py holds them
@@ -168,12 +167,8 @@ class TorchaoAdam8bit(OptimizerFactory):
         super().__init__(lr, weight_decay)
         self.betas, self.eps, self.block_size = tuple(betas), eps, block_size
         self.bf16_stochastic_round = bf16_stochastic_round
-        try:
-            import torchao.optim
-        except ImportError as err:
-            raise ConfigError("optim", f"adam8bit_ao needs torchao, which does not import ({err})",
-                              "pip install 'looplib[fp8]', or use +optim=adam8bit (bitsandbytes)") from None
-        self.torchao_optim = torchao.optim
+        self.torchao_optim = need("torchao.optim", "fp8", "optim", "+optim=adam8bit_ao",
+                                  "use +optim=adam8bit (bitsandbytes)")
 
     def create(self, groups):
         return self.torchao_optim.AdamW8bit(groups, lr=self.lr, betas=self.betas, eps=self.eps,
@@ -184,15 +179,10 @@ class TorchaoAdam8bit(OptimizerFactory):
 def import_bitsandbytes():
     import logging
     import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-            import bitsandbytes
-    except ImportError as err:
-        raise ConfigError("optim", f"this optimizer needs bitsandbytes, which does not import ({err})",
-                          "pip install 'looplib[bnb]' or choose +optim=adamw") from None
-    return bitsandbytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        return need("bitsandbytes", "bnb", "optim", "this optimizer", "choose +optim=adamw")
 
 
 def list_optimizers() -> list[str]:
@@ -201,34 +191,12 @@ def list_optimizers() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-# ---------------------------------------------------------------- learning-rate schedules
+# the schedules' old import path (conf/schedule names looplib.schedule now)
+from .schedule import Constant, Schedule, WarmupCosine  # noqa: E402,F401
 
 
-class Schedule:
-    """Constant learning rate: the null schedule. ``factor(step)`` multiplies the base lr."""
-
-    def build(self, optimizer: torch.optim.Optimizer, total_steps: int):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.factor(step, total_steps))
-
-    def factor(self, step: int, total_steps: int) -> float:
-        return 1.0
-
-
-Constant = Schedule
-
-
-class WarmupCosine(Schedule):
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
-
-    def __init__(self, warmup_steps: NonNegative[int] = 25, min_ratio: Fraction = 0.1):
-        if warmup_steps < 0 or not 0.0 <= min_ratio <= 1.0:
-            raise ConfigError("schedule", f"warmup_steps={warmup_steps}, min_ratio={min_ratio}",
-                              "use warmup_steps >= 0 and 0 <= min_ratio <= 1")
-        self.warmup_steps, self.min_ratio = warmup_steps, min_ratio
-
-    def factor(self, step, total_steps):
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def built_class(factory: "OptimizerFactory") -> type:
+    """The optimizer class a factory builds (engines check where it runs), found on a throwaway
+    module without consuming randomness: the run's seeded initialisation stays as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return type(factory.build(torch.nn.Linear(1, 1)))

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, need
 from .schema import Positive, Range
 
 
@@ -132,12 +132,7 @@ class FP8(BF16):
 
 
 def import_torchao_float8():
-    try:
-        import torchao.float8
-    except ImportError as err:
-        raise ConfigError("precision", f"fp8 needs torchao, which does not import ({err})",
-                          "pip install 'looplib[fp8]'") from None
-    return torchao.float8
+    return need("torchao.float8", "fp8", "precision", "+precision=fp8")
 
 
 def float8_training(model: torch.nn.Module, skip: list[str] = (), recipe: str = "tensorwise") -> torch.nn.Module:

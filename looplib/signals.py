@@ -34,13 +34,16 @@ def name(signum: int | None) -> str:
 
 
 class Interrupted(BaseException):
-    """A signal that stops the run at once. A BaseException, like KeyboardInterrupt, so that a
-    library's ``except Exception`` does not swallow it."""
+    """A signal stopped the run: at once (before training, or a second Ctrl-C), or at a step
+    boundary after saving (``looplib.train_model``: ``result`` then holds what was trained, its
+    ``state.step`` the checkpoint's step). A BaseException, like KeyboardInterrupt, so that a
+    library's ``except Exception`` does not swallow it. ``status``: 75 or 130, as the CLI exits."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, result=None):
         super().__init__(name(signum))
         self.signum = signum
         self.status = exit_status(signum)
+        self.result = result
 
 
 class Signals:

@@ -30,7 +30,7 @@ def worker(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from looplib.objectives import linear_cross_entropy
+    from looplib.loss import linear_cross_entropy
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ def golden_losses(micro: int = 8, accum: int = 1, steps: int = STEPS) -> list[fl
     from looplib.data import TokenChunks, build_loader
     from looplib.loop import fit
     from looplib.models import GPT
-    from looplib.objectives import TokenCrossEntropy
+    from looplib.loss import TokenCrossEntropy
     from looplib.telemetry import Telemetry
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of the README, on one CUDA machine, part by part:
+# Every GPU figure of results/README.md, on one CUDA machine, part by part:
 #
 #     bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]
 #

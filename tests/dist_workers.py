@@ -16,8 +16,9 @@ from looplib.data import Epochs, build_loader
 from looplib.engines import DDP, Engine
 from looplib.engines.launch import free_port
 from looplib.loop import TrainState, fit
-from looplib.objectives import TokenCrossEntropy
-from looplib.optim import AdamW, WarmupCosine
+from looplib.loss import TokenCrossEntropy
+from looplib.optim import AdamW
+from looplib.schedule import WarmupCosine
 from looplib.precision import FP32
 from looplib.telemetry import Telemetry
 

@@ -86,13 +86,12 @@ def test_metrics_never_appends_to_another_runs_file(tmp_path, caplog):
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch):
-    """The README's first 'Without Hydra' example, as written (fewer steps, on the CPU)."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Without Hydra", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
+    """docs/python-api.md's first example, as written (fewer steps, on the CPU)."""
+    text = (REPO / "docs" / "python-api.md").read_text()
+    code = text.split("```python", 1)[1].split("```", 1)[0]
     assert "train_model(" in code
     code = code.replace("max_steps=1000", "max_steps=2").replace('device="auto"', 'device="cpu"')
     monkeypatch.chdir(tmp_path)
     namespace = {"MyModel": tiny_gpt, "my_dataset": random_tokens(n=16), "my_held_out": random_tokens(n=8, seed=1)}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/python-api.md", "exec"), namespace)
     assert namespace["result"].state.step == 2 and (tmp_path / "metrics.jsonl").exists()

@@ -43,7 +43,7 @@ def test_resolve_recovers_and_leaves_no_trace(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     auto = build_job(compose_with(*FAKE, "+model.oom_above=20", "batch_size=auto", "global_batch_size=64"))
     assert (auto.settings.batch_size, auto.settings.accum_steps) == (16, 4)
-    assert (auto.cfg.batch_size, auto.cfg.accum_steps) == (16, 4)  # saved with the run
+    assert (auto.record.config["batch_size"], auto.record.config["accum_steps"]) == (16, 4)  # saved with the run
     assert all(p.grad is None for p in auto.model.parameters())
     rng = torch.random.get_rng_state()
     fixed = build_job(compose_with(*FAKE, "+model.oom_above=20", "batch_size=16", "accum_steps=4",

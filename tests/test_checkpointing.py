@@ -11,7 +11,7 @@ from looplib.data import build_loader
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import BertClassifier
-from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
+from looplib.loss import SequenceCrossEntropy, TokenCrossEntropy
 from looplib.precision import BF16, FP16, Precision
 
 from conftest import has_bitsandbytes, random_tokens, run_cli, tiny_gpt

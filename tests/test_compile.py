@@ -6,10 +6,10 @@ import torch
 from omegaconf import OmegaConf
 
 from looplib import SGD, Accumulation, ConfigError, TorchCompile, fit
-from looplib.loop import evaluate
+from looplib.evaluation import evaluate
 from looplib.precision import Precision
 from looplib.engines import Engine
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 
 from conftest import REPO, random_tokens, tiny_gpt
 

@@ -68,7 +68,7 @@ def test_strategy_groups_stay_out_of_the_defaults_list():
     fill_strategy_defaults(cfg)
     assert cfg.precision._target_ == "looplib.precision.FP32"
     assert cfg.optim._target_ == "looplib.optim.AdamW" and cfg.optim.lr == cfg.lr
-    assert cfg.schedule._target_ == "looplib.optim.Constant"
+    assert cfg.schedule._target_ == "looplib.schedule.Constant"
 
 
 def test_every_conf_folder_is_packaged():

@@ -19,9 +19,11 @@ from looplib.data import (ClassificationCorpus, Epochs, InstructCorpus, RandomCo
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 from looplib.precision import FP32
-from looplib.state import Checkpoints, TrainState, find_checkpoint
+from looplib.checkpoint_files import find_checkpoint
+from looplib.checkpoints import Checkpoints
+from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
 from conftest import REPO, run_cli
@@ -295,7 +297,7 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
         from looplib.data import TokenWindows, build_loader
         from looplib.data.cache import load
         from looplib.models import GPT
-        from looplib.objectives import TokenCrossEntropy
+        from looplib.loss import TokenCrossEntropy
         data, loss = load(pathlib.Path({str(root)!r})), TokenCrossEntropy()
         train = TokenWindows(data, np.arange(1), 1024)
         model = GPT(vocab_size=64, seq_len=1024, n_layer=1, n_head=1, d_model=16)
@@ -456,7 +458,7 @@ def test_cli_text_run_and_bad_path(tmp_path):
 def test_vocab_size_follows_the_tokenizer(tok_file, tok):
     from hydra import compose, initialize_config_module
 
-    from looplib.engines.launch import register_resolvers
+    from looplib.resolvers import register_resolvers
     register_resolvers()  # as looplib.train does
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from looplib import ConfigError, Engine, Evaluation, HalfWeights, TokenCrossEntropy
-from looplib.loop import evaluate
+from looplib.evaluation import evaluate
 from looplib.precision import Precision
 
 from conftest import random_tokens, tiny_gpt

@@ -17,14 +17,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from looplib import optim as lo
-from looplib.data import Epochs, RandomTokens, build_loader, load_token_cache
+from looplib.data import Epochs, PythonSource, RandomTokens, build_loader
 from looplib.engines.launch import free_port
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import FP32
 from looplib.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted, Signals
-from looplib.state import Checkpoints, InvalidCheckpoint, TrainState, find_checkpoint, is_valid
+from looplib.checkpoint_files import InvalidCheckpoint, find_checkpoint, is_valid
+from looplib.checkpoints import Checkpoints
+from looplib.train_state import TrainState
 
 from conftest import REPO, run_cli
 
@@ -158,7 +160,7 @@ def rewrite_manifest(path: Path, edit) -> None:
 
 def refresh(path: Path, name: str) -> None:
     """Make the manifest agree with a changed file (as a careless copy or an attacker would)."""
-    from looplib.state import sha256
+    from looplib.checkpoint_files import sha256
 
     def edit(m):
         m["files"][name] = {"size": (path / name).stat().st_size, "sha256": sha256(path / name)}
@@ -222,17 +224,21 @@ def test_resume_path_to_a_bad_checkpoint_is_one_line_and_leaves_no_run_directory
 # ---------------------------------------------------------------- 5. the environment
 
 def test_a_corrupt_token_cache_is_rebuilt_with_a_warning(tmp_path, caplog):
-    sources = []
+    root = tmp_path / "src"
+    root.mkdir()
     for i in range(3):
-        sources.append(tmp_path / f"m{i}.py")
-        sources[-1].write_text("def f(x):\n    return x + %d\n" % i * 20)
-    cache = tmp_path / "cache" / "pysource-test"
-    _, tokens, _ = load_token_cache(cache, sources, vocab_size=300)
-    (cache / "tokenizer.json").write_text('{"truncated')
+        (root / f"m{i}.py").write_text("def f(x):\n    return x + %d\n" % i * 20)
+    corpus = PythonSource(seq_len=8, vocab_size=300, root=str(root), cache_dir=str(tmp_path / "cache"))
+    tokens = corpus.train.tokens.array.copy()
+    [tokenizer] = (tmp_path / "cache").glob("tokenizer-*")
+    [cache] = (tmp_path / "cache").glob("pysource-*")
+    (tokenizer / "tokenizer.json").write_text('{"truncated')
+    (cache / "tokens.bin").write_bytes(b"\0")
     with caplog.at_level("WARNING", logger="looplib"):
-        _, again, _ = load_token_cache(cache, sources, vocab_size=300)
-    assert torch.equal(again, tokens)
-    assert f"the token cache {cache} is unreadable" in caplog.text and "rebuilding" in caplog.text
+        again = PythonSource(seq_len=8, vocab_size=300, root=str(root), cache_dir=str(tmp_path / "cache"))
+    assert (again.train.tokens.array == tokens).all() and len(again.train.tokens.array) == len(tokens)
+    assert f"the cached tokenizer {tokenizer} is unreadable" in caplog.text and "training it again" in caplog.text
+    assert f"the token cache {cache} is incomplete or corrupt" in caplog.text
 
 
 # ---------------------------------------------------------------- 6. Ctrl-C and launchers
@@ -263,7 +269,7 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
     for pid in workers:
         os.kill(int(pid), signal.SIGTERM)
     out = "".join(seen) + proc.communicate(timeout=300)[0]
-    assert proc.returncode == 1, out  # torchrun's own status for any failed rank (README)
+    assert proc.returncode == 1, out  # torchrun's own status for any failed rank (docs/checkpoints.md)
     assert out.count("exitcode  : 75") == 2, out  # both ranks, and no -15
     assert status.read_text().strip() == str(EXIT_PREEMPTED)
     [saved] = (run_dir / "checkpoints").iterdir()
@@ -275,7 +281,7 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
     import errno
 
-    from looplib.state import SaveError
+    from looplib.checkpoints import SaveError
     ckpt = three_checkpoints(tmp_path)
     before = files(tmp_path)
 

@@ -23,7 +23,7 @@ def tiny_llama(seed=0, **extra):
 
 def test_causal_lm_wrapper_matches_the_transformers_model():
     from looplib.hf import CausalLMLoss
-    from looplib.objectives import TokenCrossEntropy
+    from looplib.loss import TokenCrossEntropy
     model = tiny_llama()
     assert isinstance(model.hf, transformers.LlamaForCausalLM)
     assert model.hf.config._attn_implementation == "sdpa"

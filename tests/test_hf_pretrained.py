@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from looplib import AdamW, ConfigError, LoRA, RandomTokens, train_model
-from looplib.objectives import SequenceCrossEntropy
+from looplib.loss import SequenceCrossEntropy
 
 from conftest import run_cli, tiny_gpt
 
@@ -43,20 +43,24 @@ def logits_of(model, ids, **kw):
 def test_fine_tune_through_the_cli_starts_from_the_weights_and_exports_what_it_trained(tiny_pretrained, tmp_path):
     from looplib.hf import CausalLM
     run_dir = tmp_path / "run"
-    r = run_cli("model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
+    # no model.seq_len: the window defaults to the model's 64 positions (conf/model/hf.yaml)
+    r = run_cli("model=hf", f"model.path={tiny_pretrained}", "data=random",
                 f"data.vocab_size={VOCAB}", "data.n_train=4", "data.n_eval=4", "max_steps=3", "batch_size=4",
                 "lr=1e-2", "log_every=1", "eval_batches=1", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    positions = json.loads((tiny_pretrained / "config.json").read_text())["max_position_embeddings"]
+    assert f"seq_len: {positions}" in (run_dir / "config.yaml").read_text()
     # the first step's loss is transformers' loss of the pretrained model on the same 4 sequences
-    data = RandomTokens(4, SEQ, VOCAB, seed=0)
+    data = RandomTokens(4, positions, VOCAB, seed=0)
     full = torch.cat([data.input_ids[:, :1], torch.stack([d["labels"] for d in data])], dim=1)
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained)
     with torch.no_grad():
         expected = pretrained(input_ids=full, labels=full).loss.item()
     assert rows[0]["step"] == 1 and rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
     # hf/ is the trained model: transformers reloads it with looplib's final logits
-    final = CausalLM(seq_len=SEQ, path=str(tiny_pretrained))
+    final = CausalLM(path=str(tiny_pretrained))  # the Python API's default window: the same rule
+    assert final.seq_len == positions
     load_model(final, str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
     ids = ids_batch()
@@ -94,12 +98,14 @@ def test_lora_on_a_model_built_from_a_config_saves_the_base_it_points_at(tmp_pat
     torch.manual_seed(0)
     model = CausalLM(seq_len=SEQ, model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ)
-    lora = LoRA(r=2, target_modules=["q_proj", "v_proj"])
+    lora = LoRA(r=2)  # no target_modules: peft's defaults for llama
     result = train_model(model, RandomTokens(8, SEQ, 64), max_steps=2, batch_size=4, peft=lora,
                          optim=AdamW(lr=2e-2), device="cpu")
     lora.save(result.model, tmp_path)
     config = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == (tmp_path / "hf_base").resolve()
+    defaults = peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["llama"]
+    assert sorted(config["target_modules"]) == sorted(defaults)
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
     loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(result.model, ids), rtol=1e-5, atol=1e-5)
@@ -217,7 +223,7 @@ def test_zero3_lora_export_gathers_the_shards(tiny_pretrained, tmp_path):
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'looplib[deepspeed]')")
     run_dir = tmp_path / "run"
     r = run_cli("model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
-                f"data.vocab_size={VOCAB}", "+peft=lora_hf", "+engine=deepspeed", "engine.stage=3", "max_steps=2",
+                f"data.vocab_size={VOCAB}", "+peft=lora", "+engine=deepspeed", "engine.stage=3", "max_steps=2",
                 "batch_size=4", "lr=1e-2", "log_every=1", "eval_batches=1", "sample_tokens=0",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

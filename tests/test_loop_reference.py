@@ -9,7 +9,7 @@ from looplib.accumulation import Accumulation
 from looplib.data import build_loader
 from looplib.engines import Engine
 from looplib.loop import fit
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 from looplib.precision import BF16, FP16, FP32, TF32
 
 from conftest import gpu, random_tokens, tiny_gpt

@@ -62,9 +62,17 @@ def test_lora_through_the_cli(tmp_path):
     assert [e["step"] for e in evals] == [2]  # the end-of-run evaluation, with bf16 weights
     assert "looplib.evaluation.HalfWeights" in (run_dir / "config.yaml").read_text()
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 2 and set(config["target_modules"]) == set(GPT_LINEARS)
-    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    assert config["r"] == 2 and set(config["target_modules"]) == set(GPT_LINEARS)  # the bundled GPT's defaults
     assert not (run_dir / "model.safetensors").exists()
+    # peft loads the adapter onto the run's model, with the weights the run trained
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+    saved = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    loaded = peft.PeftModel.from_pretrained(instantiate(OmegaConf.load(run_dir / "config.yaml").model),
+                                            str(run_dir / "adapter"))
+    weights = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], v) for k, v in saved.items())
 
 
 @pytest.mark.parametrize("targets,problem", [(["attn.nope"], "no module of GPT is named 'attn.nope'"),
@@ -73,6 +81,13 @@ def test_bad_target_modules_are_refused(targets, problem):
     with pytest.raises(ConfigError) as err:
         LoRA(target_modules=targets).wrap(tiny_gpt())
     assert err.value.key == "peft.target_modules" and problem in str(err.value)
+
+
+def test_a_model_without_default_targets_asks_for_them():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with pytest.raises(ConfigError) as err:
+        LoRA().wrap(model)
+    assert err.value.key == "peft.target_modules" and "peft.target_modules=[0,2]" in str(err.value)
 
 
 def test_bad_target_modules_through_the_cli(tmp_path):

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from looplib import optim as lo
+from looplib.schedule import Constant, WarmupCosine
 
 from conftest import tiny_gpt
 
@@ -105,7 +106,7 @@ def test_adamw_impl_choice():
 
 def test_warmup_cosine_schedule():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = lo.WarmupCosine(warmup_steps=4, min_ratio=0.1).build(opt, total_steps=14)
+    sched = WarmupCosine(warmup_steps=4, min_ratio=0.1).build(opt, total_steps=14)
     lrs = []
     for _ in range(14):
         lrs.append(opt.param_groups[0]["lr"])
@@ -119,7 +120,7 @@ def test_warmup_cosine_schedule():
 
 def test_constant_schedule():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.3)
-    sched = lo.Constant().build(opt, total_steps=5)
+    sched = Constant().build(opt, total_steps=5)
     for _ in range(5):
         opt.step()
         sched.step()

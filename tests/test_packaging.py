@@ -42,3 +42,13 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     assert install_and_run.endswith("python -m looplib.train") and install_and_run.startswith("pip install")
     assert "pytest" in install_and_test and install_and_test.startswith("pip install")
     assert install_and_test in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def test_every_package_of_looplib_is_in_the_wheel():
+    """A package missing from pyproject's list works from the editable install and is absent
+    from a plain ``pip install .`` (looplib.loggers and looplib.plan once were)."""
+    import tomllib
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "looplib").rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert found - listed == set()

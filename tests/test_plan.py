@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from looplib import optim as lo
 from looplib.models import GPT, BertClassifier
-from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
+from looplib.loss import SequenceCrossEntropy, TokenCrossEntropy
 from looplib.plan import (Checkpointing, activation_estimates, autocast_copy_bytes, build_plan, default_checkpointing,
                           gradient_bytes, optimizer_state_bytes_of, recommendations, weight_bytes, zero_per_rank)
 from looplib.precision import BF16, FP16, Precision
@@ -280,3 +280,26 @@ def test_fsdp_per_rank_and_the_engine_choice():
     assert "DeepSpeed ZeRO-2" in choice(zero_per_rank(*plan.zero_layout(), 8, 2) + act)
     assert "+engine=fsdp engine.offload=cpu" in choice(plan.fsdp(offload=True) + act)
     assert "use more ranks" in choice(act // 2)
+
+
+def test_under_lora_gradients_and_optimizer_state_are_planned_for_the_adapter_only():
+    """+peft=lora: weights for the whole model, gradients and optimizer state for the parameters
+    that train, equal to the adapted model's real ones after a step."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'looplib[peft]')")
+    from looplib.build import instantiate
+    cfg = compose_with("model=tiny", "+peft=lora", "data=random")
+    plan = build_plan(cfg, memory=2**30)
+
+    torch.manual_seed(0)
+    model = instantiate(cfg, "peft").wrap(instantiate(cfg, "model"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = instantiate(cfg, "optim").build(model)
+    ids = torch.randint(0, model.vocab_size, (2, 16))
+    loss = instantiate(cfg, "loss")(model, {"input_ids": ids, "labels": ids})
+    loss.backward()
+    opt.step()
+    assert plan.n_params == sum(p.numel() for p in trainable) < plan.n_total == sum(p.numel() for p in model.parameters())
+    assert plan.weights == sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert plan.gradients == sum(p.grad.untyped_storage().nbytes() for p in trainable)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert plan.optim_state == real_state_bytes(opt) > 0

@@ -8,7 +8,7 @@ from looplib.accumulation import Accumulation
 from looplib.data import build_loader
 from looplib.errors import ConfigError
 from looplib.loop import fit
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 from looplib.telemetry import Telemetry
 
 from conftest import random_tokens, tiny_gpt

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looplib.state import EXIT_PREEMPTED, is_valid
+from looplib.checkpoint_files import is_valid
+from looplib.signals import EXIT_PREEMPTED
 
 from conftest import REPO, run_cli
 

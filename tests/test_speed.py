@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from looplib import ConfigError
 from looplib.compile import TorchCompile
-from looplib.loop import evaluate
+from looplib.evaluation import evaluate
 from looplib.engines import Engine
 from looplib.models import GPT
-from looplib.objectives import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
+from looplib.loss import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
 from looplib.precision import FP8, Precision
 
 from conftest import gpu, run_cli, tiny_gpt
@@ -112,7 +112,7 @@ def test_chunked_loss_names_what_a_model_lacks():
         ChunkedTokenCrossEntropy(chunk_size=0)
     assert err.value.key == "loss.chunk_size"
     if not torch.cuda.is_available():  # Liger's kernels are Triton: refused before anything imports
-        from looplib.objectives import LigerTokenCrossEntropy
+        from looplib.loss import LigerTokenCrossEntropy
         with pytest.raises(ConfigError, match="loss=lm_liger needs a CUDA GPU.*use loss=lm_chunked"):
             LigerTokenCrossEntropy()
 
@@ -254,7 +254,7 @@ def test_gpu_fp8_trains_close_to_bf16_or_is_refused_below_sm89():
 @gpu
 def test_gpu_liger_loss_matches_the_chunked_loss():
     pytest.importorskip("liger_kernel")
-    from looplib.objectives import LigerTokenCrossEntropy
+    from looplib.loss import LigerTokenCrossEntropy
     batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
     ref, ref_grads = loss_and_grads(tiny_gpt().cuda(), ChunkedTokenCrossEntropy(), batch)
     got, grads = loss_and_grads(tiny_gpt().cuda(), LigerTokenCrossEntropy(), batch)

@@ -13,8 +13,11 @@ from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
-from looplib.objectives import TokenCrossEntropy
-from looplib.state import Checkpoints, NumericError, TrainState, check_resume_config, find_checkpoint, is_valid
+from looplib.loss import TokenCrossEntropy
+from looplib.checkpoint_files import find_checkpoint, is_valid
+from looplib.checkpoints import Checkpoints, NumericError
+from looplib.resume import check_resume_config
+from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
 from conftest import random_tokens
@@ -147,7 +150,7 @@ def test_a_malicious_pickle_is_refused_not_executed(tmp_path):
 
     (path / "state.pt").write_bytes(pickle.dumps({"optimizer": Evil()}))
     manifest = json.loads((path / "manifest.json").read_text())  # an attacker fixes the manifest too
-    from looplib.state import sha256
+    from looplib.checkpoint_files import sha256
     manifest["files"]["state.pt"] = {"size": (path / "state.pt").stat().st_size, "sha256": sha256(path / "state.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert "not unpickled" in is_valid(path)  # an invalid checkpoint: resume=auto skips it

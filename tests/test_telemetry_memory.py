@@ -14,7 +14,7 @@ from looplib import telemetry as tm
 from looplib.data import build_loader
 from looplib.loop import fit
 from looplib.models import GPT, BertClassifier
-from looplib.objectives import SequenceCrossEntropy, TokenCrossEntropy
+from looplib.loss import SequenceCrossEntropy, TokenCrossEntropy
 from looplib.telemetry import Telemetry
 
 from conftest import random_tokens, tiny_gpt

@@ -9,7 +9,8 @@ from hydra.utils import _locate
 from omegaconf import OmegaConf, open_dict
 
 from looplib import optim as lo
-from looplib.build import Settings, blame, check_config, check_sequences_fit, instantiate
+from looplib.assemble import check_sequences_fit
+from looplib.build import Settings, blame, check_config, instantiate
 from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
 from looplib.plan import main as plan_main

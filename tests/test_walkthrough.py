@@ -1,9 +1,9 @@
-"""README "Fine-tune your own model on your own data", every command as typed (fewer steps).
+"""docs/fine-tuning.md "Fine-tune your own model on your own data", every command as typed (fewer steps).
 
 The blocks of that section run in order in one shell in a fresh directory: make the tiny
 pretrained model, continue pretraining on a text folder, LoRA on instruct JSONL, load the
 adapter with peft and generate, looplib.generate, CSV classification and its reload in
-transformers. Only ``max_steps`` is lowered (to keep CI short); a README edit that breaks a
+transformers. Only ``max_steps`` is lowered (to keep CI short); a docs edit that breaks a
 command breaks this test. The logits of each reloaded result against looplib's own model are
 compared in tests/test_hf_pretrained.py.
 """
@@ -18,7 +18,7 @@ from conftest import REPO
 
 
 def walkthrough() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "fine-tuning.md").read_text()
     section = text.split("## Fine-tune your own model on your own data", 1)[1].split("\n## ", 1)[0]
     blocks, current = [], []
     for line in section.splitlines() + [""]:

@@ -94,7 +94,7 @@ class Search:
                  n_trials, n_jobs, pruner, pruner_args, params):
         if int(optuna.__version__.split(".")[0]) < 4:
             raise ImportError(f"Optuna {optuna.__version__} is installed")
-        from looplib.build import Sweep
+        from looplib.settings import Sweep
         from looplib.sweep import pruner as make_pruner
         self.config = config
         task = OmegaConf.to_container(config.get("sweep") or {}, resolve=True)

@@ -6,18 +6,21 @@ One module per concern:
 - ``tokenizer``: a model directory's tokenizer, or a byte-level BPE trained on the files
 - ``cache``: tokenise once into a memory-mapped cache under ``$LOOPLIB_CACHE``
 - ``packing``: next-token labels, windows, examples, packing, padding (collate)
-- ``corpora``: what the data config groups build (``data=text|instruct|classification|pysource|random``)
+- the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
+  ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``)
 - ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader
 """
-from .corpora import (ClassificationCorpus, Corpus, FileCorpus, InstructCorpus, PythonSource, RandomCorpus,
-                      RandomTokens, TextCorpus, build_token_cache, load_token_cache, python_files)
+from .corpus import Corpus
+from .files import FileCorpus, TextCorpus
+from .pysource import PythonSource, python_files
+from .records import ClassificationCorpus, InstructCorpus
+from .synthetic import RandomCorpus, RandomTokens
 from .loading import EpochSampler, Epochs, build_loader
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
-from .tokenizer import register_resolvers
 
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
-           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "build_token_cache", "load_token_cache",
+           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader",
            "next_token_example",
            "python_files"]

@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import ConfigError
 from .tokenizer import cache_root
 
 log = logging.getLogger("looplib")
@@ -155,18 +156,24 @@ def load(path: Path) -> Tokenised | None:
                      meta["labels"], path)
 
 
-def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], with_target: bool = False) -> Tokenised:
-    """The cache ``name-key``: loaded when valid, else built by ``fill(writer)`` in a temporary
-    directory and renamed into place (an error leaves nothing behind)."""
-    path = cache_root() / f"{name}-{key}"
+def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], with_target: bool = False,
+          root: Path | None = None) -> Tokenised:
+    """The cache ``name-key`` (under ``root``, default ``$LOOPLIB_CACHE``): loaded when valid, else
+    built by ``fill(writer)`` in a temporary directory and renamed into place (an error leaves
+    nothing behind)."""
+    path = (root or cache_root()) / f"{name}-{key}"
     found = load(path)
     if found is not None:
         return found
     if path.exists():
         log.warning("the token cache %s is incomplete or corrupt: building it again", path)
         shutil.rmtree(path, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+    except OSError as err:
+        raise ConfigError("data", f"cannot write the token cache {path} ({err})",
+                          "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
     try:
         writer = Writer(tmp, "<u2" if vocab_size <= 1 << 16 else "<u4", with_target)
         try:

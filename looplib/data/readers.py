@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need
 
 RECORDS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet"}
 CHUNK_BYTES = 4 << 20   # large text files are tokenised in pieces cut after a newline
@@ -155,11 +155,7 @@ def csv_records(path: Path, errors: str, delimiter: str) -> Iterator[tuple[str, 
 
 
 def parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise ConfigError("data.path", f"{path} is Parquet, which needs pyarrow ({err})",
-                          "pip install 'looplib[parquet]'") from None
+    pq = need("pyarrow.parquet", "parquet", "data.path", f"{path} is Parquet; reading it")
     try:
         table = pq.ParquetFile(path)
         row = 0

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need
 
 log = logging.getLogger("looplib")
 
@@ -93,11 +93,7 @@ def transformers_tokenizer(path: Path, key: str):
     """A directory without tokenizer.json: transformers' fast tokenizer (converted from a slow one)."""
     if not path.is_dir():
         raise ConfigError(key, f"{path} is not a tokenizer.json", "give a model directory or a tokenizer.json")
-    try:
-        import transformers
-    except ImportError as err:
-        raise ConfigError(key, f"{path} has no tokenizer.json, and reading its tokenizer needs transformers ({err})",
-                          "pip install 'looplib[hf]'") from None
+    transformers = need("transformers", "hf", key, f"{path} has no tokenizer.json; reading its tokenizer")
     transformers.logging.set_verbosity_error()
     try:
         hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -147,35 +143,49 @@ def specials(tok) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str) -> TokenizerInfo:
+def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
+                    root: Path | None = None) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
-    cached under ``$LOOPLIB_CACHE/tokenizer-KEY/`` (written to a temporary directory, then renamed)."""
+    cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
+    temporary directory, then renamed). A cached file that does not load is trained again."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
-    target = cache_root() / f"tokenizer-{key}"
-    if not (target / "tokenizer.json").is_file():
-        def limited():
-            seen = 0
-            for text in texts():
-                yield text
-                seen += len(text)
-                if seen >= TRAIN_BYTES:
-                    return
+    target = (root or cache_root()) / f"tokenizer-{key}"
+    if (target / "tokenizer.json").is_file():
+        try:
+            tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+            return TokenizerInfo(tok, source=None, eos_id=tok.token_to_id(EOT), pad_id=tok.token_to_id(EOT))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+            log.warning("the cached tokenizer %s is unreadable (%s): training it again", target,
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+            shutil.rmtree(target, ignore_errors=True)
 
-        log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
-        bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                                show_progress=False)
+    def limited():
+        seen = 0
+        for text in texts():
+            yield text
+            seen += len(text)
+            if seen >= TRAIN_BYTES:
+                return
+
+    log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                            show_progress=False)
+    try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-        try:
-            bpe.save(str(tmp / "tokenizer.json"))
-            os.rename(tmp, target)
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:
+        raise ConfigError("data", f"cannot write the tokenizer cache {target} ({err})",
+                          "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    try:
+        bpe.save(str(tmp / "tokenizer.json"))
+        os.rename(tmp, target)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
     return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot)
@@ -193,12 +203,6 @@ def tokenizer_size(spec, default: int) -> int:
         return int(default)
 
 
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.vocab_size"):
-        OmegaConf.register_new_resolver("looplib.vocab_size", tokenizer_size, use_cache=True)
-
-
 class ChatTemplate:
     """Renders chat ``messages`` with a model directory's chat template through transformers'
     ``apply_chat_template`` (imported only for chat records) and splits the text into
@@ -210,11 +214,7 @@ class ChatTemplate:
             raise ConfigError(key, "the records hold chat messages, but the tokenizer has no chat template",
                               "set data.tokenizer to a model directory whose tokenizer has one, "
                               "or write prompt/completion records")
-        try:
-            import transformers
-        except ImportError as err:
-            raise ConfigError(key, f"chat records need transformers to render the chat template ({err})",
-                              "pip install 'looplib[hf]'") from None
+        transformers = need("transformers", "hf", key, "rendering the chat template of chat records")
         transformers.logging.set_verbosity_error()
         self.hf = transformers.AutoTokenizer.from_pretrained(info.source, local_files_only=True)
         self.hf.chat_template = info.chat_template

@@ -12,7 +12,6 @@ the window's last (``no_sync``), and only rank 0 logs and writes.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,19 +20,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..schema import Positive
 from . import launch
-from .local import Engine, resolve_device
+from .distributed import Distributed
 
 log = logging.getLogger("looplib")
 
 
-class DDP(Engine):
+class DDP(Distributed):
     """``torch.nn.parallel.DistributedDataParallel``; gloo on the CPU, NCCL on CUDA."""
 
     def __init__(self, device: str | torch.device = "auto", bucket_cap_mb: Positive[float] = 25.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
                  static_graph: bool = False, timeout_s: Positive[float] = 1800):
-        self.device = launch.process_device(resolve_device(str(device)))  # cuda -> cuda:LOCAL_RANK
-        self.rank, self.timeout_s = launch.launched_rank(), timeout_s    # the process group comes in setup
+        super().__init__(device, timeout_s)
         self.ddp_args = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                              gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
 
@@ -47,19 +45,5 @@ class DDP(Engine):
     def accumulating(self, model: nn.Module, last: bool):
         return super().accumulating(model, last) if last else model.no_sync()  # all-reduce on the last only
 
-    def global_items(self, items: int) -> float:
-        return launch.items_per_rank(items, self.device)
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        return launch.mean_over_ranks(value)
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def shared_run_dir(self, run_dir: Path) -> Path:
-        return Path(launch.broadcast_object(str(run_dir)))
-
-    def close(self) -> None:
-        # A sweep (-m) runs several jobs in one process, so the process group lives until the
-        # process exits (launch.init_process_group registered its teardown); here, wait for peers.
-        launch.barrier()

@@ -37,12 +37,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ..errors import ConfigError
-from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory
+from ..errors import ConfigError, need
+from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory, built_class
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
 from . import launch
-from .local import Engine, Prepared, resolve_device
+from .distributed import Distributed, class_name
+from .local import Prepared
 
 log = logging.getLogger("looplib")
 
@@ -67,11 +68,8 @@ DERIVED = {
 
 
 def import_deepspeed():
-    try:
-        import deepspeed
-    except ImportError as err:
-        raise ConfigError("engine", f"+engine=deepspeed needs deepspeed, which does not import ({err})",
-                          "pip install 'looplib[deepspeed]' (DS_BUILD_OPS=0 builds no kernels ahead of time)") from None
+    deepspeed = need("deepspeed", "deepspeed", "engine", "+engine=deepspeed",
+                     "DS_BUILD_OPS=0 pip install deepspeed (builds no kernels ahead of time)")
     from packaging.version import Version
     if Version(deepspeed.__version__).release < (0, 19, 4):
         raise ConfigError("engine", f"deepspeed {deepspeed.__version__} cannot leave the accumulation boundary "
@@ -79,10 +77,6 @@ def import_deepspeed():
                           "pip install 'deepspeed>=0.19.4'")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the loop's
     return deepspeed
-
-
-def class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__name__}"
 
 
 def lookup(cfg: dict, dotted: str):
@@ -100,7 +94,7 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
-class DeepSpeed(Engine):
+class DeepSpeed(Distributed):
     """``deepspeed.initialize`` with a config derived from looplib's settings.
 
     stage: ZeRO stage 0-3 (1: optimizer state partitioned over ranks, 2: and gradients,
@@ -109,11 +103,12 @@ class DeepSpeed(Engine):
     runs on the CPU, ``+optim=cpu_adam``). config: extra raw DeepSpeed keys, merged last.
     """
 
+    own_checkpoints = True  # DeepSpeed's own format: ZeRO partitions per rank
+
     def __init__(self, device: str | torch.device = "auto", stage: Literal[0, 1, 2, 3] = 2, offload_optimizer: Offload = "none",
                  offload_params: Offload = "none", nvme_path: str | None = None, config: dict | None = None,
                  timeout_s: Positive[float] = 1800):
-        self.device = launch.process_device(resolve_device(str(device)))
-        self.rank, self.timeout_s = launch.launched_rank(), timeout_s
+        super().__init__(device, timeout_s)
         self.stage, self.offload_optimizer, self.offload_params = stage, offload_optimizer, offload_params
         if isinstance(config, DictConfig):  # Hydra passes nested config as DictConfig
             config = OmegaConf.to_container(config, resolve=True)
@@ -169,7 +164,7 @@ class DeepSpeed(Engine):
             raise ConfigError("precision", f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16",
                               "use +precision=bf16 or +precision=fp32")
         if optim is not None:  # a factory: the class it builds says where it runs
-            built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(type(optim.build(nn.Linear(1, 1))))
+            built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(built_class(optim))
             self._check_optimizer(built)
 
     def _check_optimizer(self, built: str) -> None:
@@ -255,20 +250,8 @@ class DeepSpeed(Engine):
         # their partitions by design. Either way the loop has nothing to switch off.
         return nullcontext()
 
-    def global_items(self, items: int) -> float:
-        return launch.items_per_rank(items, self.device)
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        return launch.mean_over_ranks(value)
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
-
-    def shared_run_dir(self, run_dir: Path) -> Path:
-        return Path(launch.broadcast_object(str(run_dir)))
-
-    def close(self) -> None:
-        launch.barrier()
 
     # ---------------------------------------------------------------- weights and checkpoints
 

@@ -38,15 +38,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..optim import built_class
 from ..schema import Positive
 from . import launch
-from .local import Engine, Prepared, resolve_device
+from .distributed import Distributed, class_name
+from .local import Prepared
 
 log = logging.getLogger("looplib")
-
-
-def class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__name__}"
 
 
 # Optimizers that cannot step on DTensor shards, with the reason (module prefix or dotted class).
@@ -69,7 +67,7 @@ BLOCKS = ["Block", "GPT2Block", "BertLayer", "LlamaDecoderLayer", "MistralDecode
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-class FSDP(Engine):
+class FSDP(Distributed):
     """``fully_shard`` on every transformer block and on the root; gloo on the CPU, NCCL on CUDA.
 
     blocks / block_names: the modules sharded as units (class names, or a regular expression
@@ -79,13 +77,14 @@ class FSDP(Engine):
     CPU). reduce_dtype: ``float32`` (default) or ``param`` (the 16-bit compute dtype).
     """
 
+    own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
+
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,
                  offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",
                  timeout_s: Positive[float] = 1800):
         from ..checkpointing import ActivationCheckpointing
-        self.device = launch.process_device(resolve_device(str(device)))
-        self.rank, self.timeout_s = launch.launched_rank(), timeout_s
+        super().__init__(device, timeout_s)
         if offload not in ("none", "cpu"):
             raise ConfigError("engine.offload", f"{offload!r} is not an offload device",
                               "use engine.offload=none or cpu")
@@ -114,14 +113,13 @@ class FSDP(Engine):
         if optim is None:
             return
         cls = "deepspeed.ops.adam.DeepSpeedCPUAdam" if type(optim).__name__ == "CPUAdam" \
-            else class_name(type(optim.build(nn.Linear(1, 1))))
+            else class_name(built_class(optim))
         for prefix, (why, fix) in REFUSED_OPTIMIZERS.items():
             if cls == prefix or cls.startswith(prefix + "."):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)
 
     def check_evaluation(self, evaluation) -> None:
-        from ..evaluation import HalfWeights
-        if isinstance(evaluation, HalfWeights):
+        if getattr(evaluation, "casts_weights", False):  # a strategy is any callable: the flag is optional
             raise ConfigError("evaluation", "+evaluation=bf16/fp16 casts each parameter's .data, but FSDP gathers "
                               "blocks from its own flat shard buffers (the cast is not seen, and under inference "
                               "mode the gather fails)", "leave +evaluation out: with +precision=bf16 FSDP already "
@@ -183,18 +181,6 @@ class FSDP(Engine):
         model.set_requires_gradient_sync(last)  # every unit: reduce-scatter on the window's last only
         return nullcontext()
 
-    def global_items(self, items: int) -> float:
-        return launch.items_per_rank(items, self.device)
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        return launch.mean_over_ranks(value)
-
-    def shared_run_dir(self, run_dir: Path) -> Path:
-        return Path(launch.broadcast_object(str(run_dir)))
-
-    def close(self) -> None:
-        launch.barrier()
-
     # ---------------------------------------------------------------- weights
 
     def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -238,7 +224,7 @@ class FSDP(Engine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from ..state import load_state
+        from ..checkpoint_files import load_state
         path = Path(directory) / (tag or "latest")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         loaded = {"model": model_sd, "optimizer": optim_sd}

@@ -180,10 +180,3 @@ def resolving_as_rank0():
     finally:
         _AS_RANK0 = False
 
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
-    if not OmegaConf.has_resolver("looplib.rank0_dir"):
-        OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)
-    from ..data.tokenizer import register_resolvers as register_data_resolvers
-    register_data_resolvers()  # ${looplib.vocab_size:...} in the data groups

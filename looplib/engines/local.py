@@ -45,6 +45,9 @@ class Engine:
     """Single process. Subclasses (DDP, DeepSpeed) override the verbs that differ."""
 
     rank, world_size = 0, 1
+    # True: the engine writes and reads the model and optimizer state of a checkpoint itself
+    # (``save_checkpoint`` / ``load_checkpoint``: FSDP's and DeepSpeed's sharded formats)
+    own_checkpoints = False
 
     def __init__(self, device: str | torch.device = "auto"):
         self.device = resolve_device(str(device))
@@ -85,6 +88,21 @@ class Engine:
 
     def close(self) -> None:
         """Tear down what ``setup`` started (a process group, ...)."""
+
+    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None, tag: str | None = None) -> None:
+        """Write model, optimizer and ``client_state`` into ``directory/tag`` in the engine's own
+        format (engines with ``own_checkpoints`` only; the others' are written by looplib)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write checkpoints of its own")
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
+        """Restore what ``save_checkpoint`` wrote; return the client state."""
+        raise NotImplementedError(f"{type(self).__name__} does not read checkpoints of its own")
+
+    def resume_config(self, saved_cfg: dict, now_cfg: dict, path: Path) -> list[str]:
+        """Config changes since the checkpoint at ``path`` that this engine accepts (and removes
+        from ``saved_cfg`` before the general check); refuses (``ConfigError``) those it cannot.
+        One process: none of its own."""
+        return []
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""

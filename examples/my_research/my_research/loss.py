@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from looplib.objectives import TokenCrossEntropy
+from looplib.loss import TokenCrossEntropy
 
 
 class LabelSmoothedLM(TokenCrossEntropy):

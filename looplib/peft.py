@@ -1,0 +1,145 @@
+"""Parameter-efficient fine-tuning: ``+peft=lora`` wraps the model with the peft library's LoRA.
+
+Only the adapter weights require gradients, so the optimizer (built from trainable
+parameters only, ``looplib.optim.param_groups``) holds state for them alone, and the run
+saves them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
+own format) instead of ``model.safetensors``. ``load_lora(fresh_model, run_dir / "adapter")``
+loads them back. Which layers get adapters, unless ``target_modules`` names them: for a
+transformers model (``looplib.hf``) peft's own choice for its architecture (llama: q_proj,
+v_proj; gpt2: c_attn; a type peft has no entry for: every Linear but the output layer), for
+the bundled GPT its attention and MLP linears (``GPT_LINEARS``). A transformers model is
+adapted inside its wrapper, so the adapter's keys are peft's own, and the run writes ``hf/``
+instead: the adapter ``peft.AutoPeftModelFor...`` loads, or with ``merge: true`` the merged
+full weights. This module is the config group ``peft``; inside it ``import peft`` is the
+library (absolute imports), imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+from torch import nn
+
+from .engines.local import Engine
+from .errors import ConfigError, need
+from .models.gpt import GPT
+from .schema import Beta, Positive
+
+log = logging.getLogger("looplib")
+
+# The bundled GPT's attention and MLP linears (looplib/models/gpt.py); peft matches a name
+# when it equals a module's full name or ends it after a dot ("mlp.0" -> "blocks.3.mlp.0").
+GPT_LINEARS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+ALL_LINEAR = "all-linear"
+# the layer types peft's LoRA adapts (plus transformers' Conv1D, recognised by name)
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
+class FullModel:
+    """Train and save every parameter: the null object."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def save(self, model: nn.Module, run_dir: Path, engine=None, corpus=None) -> None:
+        """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors, or for
+        a transformers model (one with ``export``) ``hf/``, which transformers loads."""
+        engine = engine or Engine()
+        if hasattr(engine.unwrap(model), "export"):
+            weights = engine.full_weights(model)
+            if engine.is_main:
+                engine.unwrap(model).export(Path(run_dir), weights, corpus)
+        else:
+            engine.export_weights(model, Path(run_dir) / "model.safetensors")
+
+
+class LoRA(FullModel):
+    """Low-rank adapters (``peft.LoraConfig``) on the modules named by ``target_modules``."""
+
+    def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
+                 target_modules: list[str] | tuple[str, ...] | None = None,
+                 bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False):
+        if r < 1:
+            raise ConfigError("peft.r", f"the LoRA rank must be at least 1 (got r={r})", "use e.g. peft.r=8")
+        self.peft = import_peft()
+        self.target_modules = None if target_modules is None else list(target_modules)
+        self.config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, bias=bias)
+        self.merge = merge
+        self.adapted = None   # the peft model, once wrapped
+
+    def targets_for(self, model: nn.Module) -> list[str] | str:
+        """The modules to adapt: ``target_modules`` as given, else the model's own defaults.
+        [all-linear] is peft's own choice, every Linear but the output layer (transformers models)."""
+        if self.target_modules is not None:
+            return ALL_LINEAR if self.target_modules == [ALL_LINEAR] else self.target_modules
+        if isinstance(model, GPT):
+            return list(GPT_LINEARS)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if isinstance(model_type, str):  # a transformers model (looplib.hf's wrappers pass its config on)
+            defaults = self.peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+            return list(defaults[model_type]) if model_type in defaults else ALL_LINEAR
+        linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][:2]
+        raise ConfigError("peft.target_modules", f"looplib has no default LoRA targets for {type(model).__name__}",
+                          "name its Linear layers, e.g. peft.target_modules=[" + ",".join(linears or ["NAME"]) + "]")
+
+    def wrap(self, model):
+        modules = dict(model.named_modules())
+        targets = self.targets_for(model)
+        for target in [] if targets == ALL_LINEAR else targets:
+            matched = [n for n in modules if n == target or n.endswith("." + target)]
+            if not matched:
+                raise ConfigError("peft.target_modules", f"no module of {type(model).__name__} is named {target!r}",
+                                  "name Linear layers of the model, e.g. peft.target_modules=[attn.qkv,mlp.0] "
+                                  "(a transformers model: [q_proj,v_proj]), or leave peft.target_modules out "
+                                  "for the model's defaults")
+            for name in matched:
+                if not isinstance(modules[name], ADAPTABLE) and type(modules[name]).__name__ != "Conv1D":
+                    raise ConfigError("peft.target_modules",
+                                      f"{target!r} names {name}, a {type(modules[name]).__name__}, "
+                                      "which LoRA cannot adapt",
+                                      "name Linear (or Embedding/Conv) layers, e.g. mlp.0 rather than mlp")
+        config = dict(self.config, target_modules=targets)
+        try:  # a transformers wrapper (looplib.hf) adapts the model inside it: peft's own key names
+            adapt = getattr(model, "adapt", None)
+            wrapped = adapt(self.peft, config) if adapt else self.peft.get_peft_model(
+                model, self.peft.LoraConfig(**config))
+        except ValueError as err:  # anything peft refuses that the checks above did not catch
+            raise ConfigError("peft.target_modules", str(err).splitlines()[0],
+                              "name Linear (or Embedding/Conv) layers of the model") from None
+        self.adapted = wrapped.adapter_model() if adapt else wrapped
+        trainable, total = self.adapted.get_nb_trainable_parameters()
+        log.info("LoRA r=%d on %s: %s of %s parameters train (%.2f%%)", self.config["r"],
+                 ",".join(targets) if targets != ALL_LINEAR else ALL_LINEAR, f"{trainable:,}", f"{total:,}",
+                 100 * trainable / total)
+        return wrapped
+
+    def save(self, model, run_dir, engine=None, corpus=None):
+        """Every rank calls this (ZeRO-3 gathers); the main rank writes ``adapter/`` (peft's
+        format), or for a transformers model ``hf/`` (the adapter, or merged weights with ``merge``)."""
+        engine = engine or Engine()
+        unwrapped = engine.unwrap(model)
+        weights = engine.full_weights(model)
+        if not engine.is_main:
+            return
+        if hasattr(unwrapped, "export"):
+            unwrapped.export(Path(run_dir), weights, corpus, merge=self.merge)
+        else:  # safetensors by default
+            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"), state_dict=weights)
+
+
+def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:
+    """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``;
+    a transformers wrapper (looplib.hf) takes it on the model inside, as it was trained."""
+    peft = import_peft()
+    if hasattr(model, "adapt"):
+        model.hf = peft.PeftModel.from_pretrained(model.hf, str(path), is_trainable=trainable)
+        return model
+    return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+def import_peft():
+    # peft imports torchao when it is installed, and torchao registers enums with torch's pytree,
+    # which logs two deprecation warnings per process: noise on every LoRA run's stderr
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    return need("peft", "peft", "peft", "LoRA")

@@ -1,0 +1,115 @@
+"""The job's top-level settings, typed: the command line's keys (conf/config.yaml) and
+``train_model``'s keyword arguments are the same fields, checked by the same rules
+(``looplib.schema``: constructor annotations are the schema). Imports neither Hydra nor OmegaConf.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, Optional
+
+from .errors import ConfigError
+from .optim import LR, WEIGHT_DECAY
+from .schema import NonNegative, Positive, Seed, check_options, default_of, show
+
+
+@dataclass
+class Loader:
+    """The ``loader`` keys: ``torch.utils.data.DataLoader`` settings (``looplib.data.build_loader``)."""
+    num_workers: NonNegative[int] = 0
+    pin_memory: bool | Literal["auto"] = "auto"  # auto: pinned when training on CUDA
+    persistent_workers: bool = False
+    prefetch_factor: Positive[int] | None = None
+
+    def __post_init__(self):
+        for key, value, off in (("persistent_workers", self.persistent_workers, False),
+                                ("prefetch_factor", self.prefetch_factor, None)):
+            if value != off and self.num_workers == 0:  # torch refuses these without workers
+                raise ConfigError(f"loader.{key}", f"loader.{key}={show(value)} needs worker processes "
+                                  "(loader.num_workers=0)", f"set loader.num_workers=N (N >= 1), or leave loader.{key} out")
+
+
+@dataclass
+class Checkpoint:
+    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.checkpoints``)."""
+    enabled: bool = True
+    every_steps: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. checkpoint.every_steps=100 (0: only at the end)"})
+    keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})
+
+
+# the keys of metrics.jsonl a job can return to a sweeper (looplib.telemetry writes them)
+SWEEP_METRICS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "sequences_per_s",
+                 "samples_per_s", "step_time_s", "peak_mem_mb", "tflops", "mfu")
+
+
+@dataclass
+class Sweep:
+    """The ``sweep`` keys: what each job returns to a Hydra sweeper (``looplib.sweep``)."""
+    metric: str = field(default="eval_loss", metadata={"fix": "use e.g. sweep.metric=eval_loss"})
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+    def __post_init__(self):
+        if self.metric not in SWEEP_METRICS:
+            import difflib
+            near = difflib.get_close_matches(self.metric, SWEEP_METRICS, n=1)
+            raise ConfigError("sweep.metric", f"sweep.metric={show(self.metric)} is not a key of the job's "
+                              "metrics" + (f" (did you mean {near[0]}?)" if near else ""),
+                              "use one of " + ", ".join(SWEEP_METRICS))
+
+
+@dataclass
+class Settings:
+    """The job's top-level keys, typed (``looplib.schema``); ``fix`` is the advice on a bad value."""
+    device: str = field(default="auto", metadata={"fix": "use device=auto, cpu or cuda[:N]"})
+    seed: Seed = field(default=1337, metadata={"fix": "use a whole number from 0 to 2**64-1, e.g. seed=0"})
+    max_steps: Positive[int] = field(default=300, metadata={"fix": "use a whole number of optimizer steps, e.g. max_steps=300"})
+    batch_size: Positive[int] | Literal["auto"] = field(default=32, metadata={
+        "fix": "use the micro-batch size per device, e.g. batch_size=16, or batch_size=auto with global_batch_size=N"})
+    accum_steps: Positive[int] = field(default=1, metadata={"fix": "use 1 for no accumulation, or k micro-batches per step"})
+    lr: Positive[float] = field(default=LR, metadata={"fix": "use a positive learning rate, e.g. lr=3e-4"})
+    weight_decay: NonNegative[float] = field(default=WEIGHT_DECAY, metadata={"fix": "use e.g. weight_decay=0.1 (0 for none)"})
+    max_grad_norm: NonNegative[float] | None = field(default=1.0, metadata={"fix": "use e.g. max_grad_norm=1.0 (0 or null: off)"})
+    log_every: Positive[int] = field(default=10, metadata={"fix": "use e.g. log_every=10"})
+    eval_every: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. eval_every=100 (0: only at the end)"})
+    eval_batches: NonNegative[int] = field(default=8, metadata={"fix": "use e.g. eval_batches=8"})
+    sample_tokens: NonNegative[int] = field(default=160, metadata={"fix": "use e.g. sample_tokens=100 (0: no sample)"})
+    max_bad_steps: NonNegative[int] = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)"})
+    resume: Optional[str] = field(default=None, metadata={"fix": "use resume=auto, resume=PATH or resume=null"})
+    global_batch_size: Positive[int] | None = field(default=None, metadata={
+        "fix": "use the sequences per optimizer step over all devices, e.g. global_batch_size=64 (null: off)"})
+    peak_tflops: Positive[float] | None = field(default=None, metadata={
+        "fix": "use the device's peak for the training precision in TFLOP/s, e.g. peak_tflops=989 (null: auto)"})
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    loader: Loader = field(default_factory=Loader)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    sweep: Sweep = field(default_factory=Sweep)
+
+
+def check_global_batch(s: Settings) -> None:
+    """``batch_size=auto`` needs ``global_batch_size`` and chooses ``accum_steps`` itself; a fixed
+    batch with a global batch must agree with it (the per-rank split is checked by autobatch)."""
+    if s.batch_size == "auto":
+        if s.global_batch_size is None:
+            raise ConfigError("global_batch_size", "batch_size=auto needs a target global batch",
+                              "add global_batch_size=N (sequences per optimizer step), or set batch_size=N")
+        if s.accum_steps != 1:
+            raise ConfigError("accum_steps", f"batch_size=auto chooses accum_steps itself (got accum_steps={s.accum_steps})",
+                              "leave accum_steps out, or set batch_size to a number")
+    elif s.global_batch_size is not None and s.batch_size * s.accum_steps != s.global_batch_size:
+        raise ConfigError("global_batch_size", f"global_batch_size={s.global_batch_size} but batch_size x accum_steps = "
+                          f"{s.batch_size} x {s.accum_steps} = {s.batch_size * s.accum_steps}",
+                          "use batch_size=auto to choose the micro-batch, or make them agree")
+
+
+def settings_from(values: dict[str, Any]) -> Settings:
+    """``Settings`` from plain values (the config's top level, or ``train_model``'s arguments),
+    each checked against its annotation first: one line naming the key on a bad value."""
+    check_options("", Settings, values)
+    hints = typing.get_type_hints(Settings)
+    chosen = {f.name: values.get(f.name, default_of(f)) for f in fields(Settings)}
+    for name, value in chosen.items():
+        if is_dataclass(hints[name]) and isinstance(value, dict):  # a section: loader, checkpoint, sweep
+            chosen[name] = hints[name](**value)
+    settings = Settings(**chosen)
+    check_global_batch(settings)
+    return settings

@@ -1,0 +1,113 @@
+"""One assembly: the command line's path (train.build_job + run, what ``python -m looplib.train``
+runs after Hydra composes) and ``train_model`` build and run the same job, for every engine; and
+``train_model`` has the CLI's run directory, checkpoints, resume and signal handling."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, random_tokens, tiny_gpt
+from looplib import AdamW, ConfigError, Interrupted, RandomCorpus, train_model
+from looplib.loggers import Logger
+
+sys.path.insert(0, str(REPO / "tests"))
+import assembly_worker  # noqa: E402
+
+COMPARED = ("step", "epoch", "loss", "lr", "grad_norm", "eval_loss", "skipped_steps")
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        kept = {k: row[k] for k in COMPARED if k in row}
+        if len(kept) > 1:
+            out.append(kept)
+    return out
+
+
+def same_run(cli, api, ranks=(0,)):
+    assert rows(cli) and rows(cli) == rows(api)
+    a, b = load_file(cli / "model.safetensors"), load_file(api / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if (cli / "checkpoints").exists():
+        steps = sorted(p.name for p in (cli / "checkpoints").iterdir())
+        assert steps == sorted(p.name for p in (api / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    for rank in ranks:  # every rank ends with the weights rank 0 exported
+        own = torch.load(api / f"rank{rank}.pt")
+        assert all(torch.equal(own[k], b[k]) for k in b), f"rank {rank} differs"
+
+
+def test_local_engine_cli_path_equals_train_model(tmp_path):
+    assembly_worker.main(tmp_path, ["local"])
+    same_run(tmp_path / "local" / "cli", tmp_path / "local" / "api")
+    saved = json.loads((tmp_path / "local" / "api" / "config.yaml").read_text())
+    assert saved["max_steps"] == 4 and saved["optim"]["_target_"] == "looplib.optim.AdamW"
+
+
+@pytest.mark.slow
+def test_distributed_engines_cli_path_equals_train_model(tmp_path):
+    """DDP, FSDP2 and DeepSpeed ZeRO-2 on 2 CPU processes, one torchrun launch: the two ways in
+    agree bit for bit, and every rank holds the same weights (train_model once trained two
+    unsynchronised DeepSpeed replicas: engine.prepare was never called)."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "ddp", "fsdp", "deepspeed"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for engine in ("ddp", "fsdp", "deepspeed"):
+        same_run(tmp_path / engine / "cli", tmp_path / engine / "api", ranks=(0, 1))
+
+
+class SignalAt(Logger):
+    """Sends this process SIGTERM when the metrics row of ``step`` is logged (mid-run, exactly)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def log(self, row):
+        if row.get("step") == self.step and "loss" in row:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def job(**kwargs):
+    torch.manual_seed(0)
+    return dict(model=tiny_gpt(), dataset=RandomCorpus(seq_len=16, vocab_size=64, n_train=48, n_eval=8),
+                max_steps=6, batch_size=4, accum_steps=2, optim=AdamW(lr=1e-2), eval_every=3, eval_batches=1,
+                log_every=1, device="cpu", progress="lines", **kwargs)
+
+
+def test_train_model_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
+    whole = train_model(**job(), run_dir=tmp_path / "whole")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as stop:
+        train_model(**job(logger=SignalAt(4)), run_dir=tmp_path / "cut")
+    assert stop.value.status == 75 and stop.value.result.state.step == 4
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+    assert (tmp_path / "cut" / "checkpoints" / "step-00000004" / "manifest.json").exists()
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # stopped, not finished
+    with pytest.raises(ConfigError, match="run_dir: .* already holds files"):
+        train_model(**job(), run_dir=tmp_path / "cut")  # never mixed into another run without resume
+    resumed = train_model(**job(), run_dir=tmp_path / "cut", resume="auto")
+    assert resumed.state.step == 6
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(tmp_path / "whole") == [r for r in rows(tmp_path / "cut") if "resumed_from" not in r]
+    assert resumed.run_dir == tmp_path / "cut" and resumed.eval_loss == whole.eval_loss
+
+
+def test_train_model_refuses_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="^max_steps: "):
+        train_model(tiny_gpt(), random_tokens(8), max_steps=0, device="cpu")
+    with pytest.raises(ConfigError, match="^resume: .* needs the run directory"):
+        train_model(tiny_gpt(), random_tokens(8), max_steps=1, resume="auto", device="cpu")
+    with pytest.raises(ConfigError, match="^export: "):
+        train_model(tiny_gpt(), random_tokens(8), max_steps=1, export="hf", run_dir=tmp_path / "r", device="cpu")
+    assert not (tmp_path / "r").exists()
