@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
-HYDRA_OWN = (".hydra", "multirun.yaml")
-SEARCH = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper  # and *.log: what Hydra writes before a job starts
+HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
+SEARCH = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper (hydra/sweeper=optuna)
 
 
 def results(path: Path) -> list[str]:
