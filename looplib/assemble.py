@@ -32,9 +32,9 @@ from . import autobatch
 from .accumulation import Accumulation
 from .peft import FullModel
 from .checkpointing import Checkpointing
-from .cli import small_data
 from .compile import Compile
 from .data import Corpus, Epochs, build_loader
+from .data.loading import small_data
 from .engines import Engine
 from .errors import ConfigError
 from .evaluation import Evaluation
@@ -43,7 +43,7 @@ from .loop import fit
 from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory, Schedule
 from .precision import Precision
-from .report import end_of_run_plot
+from .plots import end_of_run_plot
 from .settings import Settings
 from .signals import EXIT_INTERRUPTED, Signals
 from .checkpoint_files import write_atomic

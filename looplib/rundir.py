@@ -29,6 +29,7 @@ from .engines import launch
 from .errors import EXIT_CONFIG, ConfigError
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
+SEARCH = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper (hydra/sweeper=optuna)
 
 
 def results(path: Path) -> list[str]:
@@ -167,6 +168,8 @@ class RunDirGuard(Callback):
         self._check(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH:
+            return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.sweep)
         self._check(config, "hydra.sweep.dir")
         path = as_rank0(config, "hydra.sweep.dir")
         cli.sweep_started(path, fresh=path is not None and not path.exists())

@@ -37,6 +37,26 @@ class Checkpoint:
     keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})
 
 
+# the keys of metrics.jsonl a job can return to a sweeper (looplib.telemetry writes them)
+SWEEP_METRICS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "sequences_per_s",
+                 "samples_per_s", "step_time_s", "peak_mem_mb", "tflops", "mfu")
+
+
+@dataclass
+class Sweep:
+    """The ``sweep`` keys: what each job returns to a Hydra sweeper (``looplib.sweep``)."""
+    metric: str = field(default="eval_loss", metadata={"fix": "use e.g. sweep.metric=eval_loss"})
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+    def __post_init__(self):
+        if self.metric not in SWEEP_METRICS:
+            import difflib
+            near = difflib.get_close_matches(self.metric, SWEEP_METRICS, n=1)
+            raise ConfigError("sweep.metric", f"sweep.metric={show(self.metric)} is not a key of the job's "
+                              "metrics" + (f" (did you mean {near[0]}?)" if near else ""),
+                              "use one of " + ", ".join(SWEEP_METRICS))
+
+
 @dataclass
 class Settings:
     """The job's top-level keys, typed (``looplib.schema``); ``fix`` is the advice on a bad value."""
@@ -62,6 +82,7 @@ class Settings:
     progress: Literal["auto", "bar", "lines"] = "auto"
     loader: Loader = field(default_factory=Loader)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    sweep: Sweep = field(default_factory=Sweep)
 
 
 def check_global_batch(s: Settings) -> None:
@@ -87,7 +108,7 @@ def settings_from(values: dict[str, Any]) -> Settings:
     hints = typing.get_type_hints(Settings)
     chosen = {f.name: values.get(f.name, default_of(f)) for f in fields(Settings)}
     for name, value in chosen.items():
-        if is_dataclass(hints[name]) and isinstance(value, dict):  # a section: loader, checkpoint
+        if is_dataclass(hints[name]) and isinstance(value, dict):  # a section: loader, checkpoint, sweep
             chosen[name] = hints[name](**value)
     settings = Settings(**chosen)
     check_global_batch(settings)

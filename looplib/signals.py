@@ -52,6 +52,7 @@ class Signals:
     phase, where a signal only sets a flag that the loop reads at step boundaries."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    current: "Signals | None" = None     # the process's handler, like the OS handlers it installs
 
     def __init__(self):
         self.signum: int | None = None   # the first signal received (decides the exit status)
@@ -62,6 +63,7 @@ class Signals:
         self.defer = False
         self.training = False            # deferred() was entered: the run got as far as training
         self.finished = False            # set by finish(): later signals are ignored
+        self.reason: str | None = None   # stop(): the run's own reason to stop early (no signal)
         self._previous: dict = {}
 
     def _handler(self, signum, frame):
@@ -75,6 +77,7 @@ class Signals:
     def __enter__(self) -> "Signals":
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
+        Signals.current = self
         return self
 
     def __exit__(self, *exc) -> None:
@@ -113,17 +116,22 @@ class Signals:
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
+    def stop(self, reason: str) -> None:
+        """Stop at the next step boundary, after saving, as on SIGTERM, for a reason of the run's
+        own (``looplib.sweep``: the study pruned this trial). The exit status stays 0."""
+        self.reason = self.reason or reason
+
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return self.signum is not None or self.reason is not None
 
     @property
     def status(self) -> int:
-        return exit_status(self.signum)
+        return exit_status(self.signum) if self.signum is not None or self.reason is None else 0
 
     @property
     def name(self) -> str:
-        return name(self.signum)
+        return self.reason if self.signum is None and self.reason else name(self.signum)
 
 
 @contextmanager

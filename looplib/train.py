@@ -17,7 +17,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import assemble, loggers, rundir
+from . import assemble, loggers, rundir, sweep
 from .assemble import Job, Parts, Record
 from .build import check_config, instantiate, origin
 from .engines.launch import EXIT_LOST_RANK, launched_rank, lost_rank_line
@@ -36,7 +36,9 @@ STRATEGIES = ("engine", "precision", "optim", "schedule", "loss", "peft", "compi
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model), then the assembly."""
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
-    trackers = loggers.build(cfg)  # +logger= choices: keys checked, libraries imported (a missing one: ConfigError)
+    # +logger= choices (keys checked, libraries imported: a missing one is a ConfigError), and in a pruned
+    # search the trial's reporter (looplib.sweep)
+    trackers = loggers.Loggers(loggers.build(cfg), *sweep.reporting(cfg))
     built = {group: instantiate(cfg, group) for group in STRATEGIES}
     built["engine"] = assemble.check(settings, built["engine"], built["precision"], built["optim"], built["evaluation"])
     torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
@@ -123,14 +125,13 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://looplib.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
-    status = execute(cfg, run_dir, signals)
+    status = sweep.job(lambda: execute(cfg, run_dir, signals))  # in a sweep, a crash is a failed trial
     signals.finish()                 # from here on a signal changes nothing
     rundir.write_exit_status(status)
-    if status:
-        sys.exit(status)
+    return sweep.outcome(cfg, run_dir, status, signals)  # the objective for a sweeper; exits on failure
 
 
 if __name__ == "__main__":

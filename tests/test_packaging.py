@@ -23,6 +23,11 @@ def test_plain_install_finds_the_packaged_config(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import looplib; print(looplib.__file__)"],
                            capture_output=True, text=True, cwd=elsewhere, env=env)
     assert where.stdout.startswith(str(target)), where.stdout + where.stderr
+    found = subprocess.run([sys.executable, "-c", "from hydra.core.plugins import Plugins; from hydra.plugins.sweeper "
+                            "import Sweeper; import inspect; print([inspect.getfile(c) for c in "
+                            "Plugins.instance().discover(Sweeper) if c.__name__ == 'OptunaSweeper'])"],
+                           capture_output=True, text=True, cwd=elsewhere, env=env)  # hydra/sweeper=optuna's plugin
+    assert found.stdout.startswith(f"['{target}/hydra_plugins/looplib_optuna/"), found.stdout + found.stderr
     run_dir = elsewhere / "run"
     r = subprocess.run([sys.executable, "-m", "looplib.train", "+precision=bf16", "data=random",
                         "max_steps=2", "batch_size=2", "eval_batches=1", "sample_tokens=0",

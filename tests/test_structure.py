@@ -62,12 +62,12 @@ FLOORS = [
     # the run: the loop, saving and resuming, telemetry and trackers, adapters saved through the
     # engine, generation, and the config layer (building strategies from the config, resolvers, plan)
     ["looplib.loop", "looplib.checkpoints", "looplib.resume", "looplib.state", "looplib.telemetry",
-     "looplib.loggers", "looplib.adapters", "looplib.peft", "looplib.generate", "looplib.build",
+     "looplib.loggers", "looplib.plots", "looplib.adapters", "looplib.peft", "looplib.generate", "looplib.build",
      "looplib.settings", "looplib.resolvers", "looplib.plan"],
     # one assembly of a run, and what builds on it
     ["looplib.assemble", "looplib.autobatch"],
     # the ways in: command lines, the Python API, tools
-    ["looplib", "looplib.train", "looplib.api", "looplib.tune", "looplib.cli", "looplib.rundir", "looplib.report",
+    ["looplib", "looplib.train", "looplib.api", "looplib.tune", "looplib.cli", "looplib.rundir", "looplib.sweep", "looplib.report", "looplib.report_study",
      "looplib.make_tiny_model"],
 ]
 

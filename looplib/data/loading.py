@@ -7,6 +7,7 @@ corpus is built), so exact resume needs nothing but (epoch, batches seen).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterator
 
@@ -132,3 +133,29 @@ def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool 
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=bool(pin_memory), drop_last=drop_last, generator=generator,
                       collate_fn=collate_fn, **extra)
+
+
+def small_data(n_train: int | None, batch_size: int, accum_steps: int, world: int = 1) -> int:
+    """The micro-batch a run really trains with (no larger than the training sequences per rank),
+    and one warning line with the real figures when the data is smaller than the batch settings
+    assume: a micro-batch larger than the training set per rank, or an epoch shorter than one
+    accumulation window (each optimizer step then sees some sequences more than once)."""
+    per_rank = (n_train or 0) // max(world, 1)
+    if not n_train or per_rank == 0:
+        return batch_size  # unknown length, or no batch at all (refused where the epochs are made)
+    real = min(batch_size, per_rank)
+    batches = -(-per_rank // batch_size)  # micro-batches per epoch, the last one possibly short
+    ranks = f" per rank ({n_train} over {world} processes)" if world > 1 else ""
+    problems = []
+    if batch_size > per_rank:
+        problems.append(f"batch_size={batch_size} is larger than the {per_rank} training sequences{ranks}: each "
+                        f"micro-batch holds {real}")
+    if batches < accum_steps:
+        problems.append(f"an epoch is {batches} micro-batch{'es' if batches > 1 else ''} ({per_rank} sequences{ranks}), "
+                        f"fewer than accum_steps={accum_steps}: each optimizer step sees some sequences "
+                        f"{-(-accum_steps // batches)} times")
+    if problems:
+        logging.getLogger("looplib").warning("small data: %s; so each optimizer step trains on %d x %d sequences "
+                                             "(give more data, or lower batch_size / accum_steps)",
+                                             "; ".join(problems), real, accum_steps)
+    return real

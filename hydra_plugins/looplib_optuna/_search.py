@@ -1,0 +1,281 @@
+"""The search behind ``hydra/sweeper=optuna`` (imported when a sweep starts; Hydra's plugin scan
+skips modules whose name begins with ``_``, so Optuna is not imported by every run).
+
+- The search space is read from the command line (and ``hydra.sweeper.params``) with Hydra's
+  own override grammar: ``choice(a,b)`` (also ``+group=choice(...)``), ``range(start, stop[,
+  step])`` (stop excluded, as in Hydra's grid sweeps), ``interval(low, high)`` and
+  ``tag(log, interval(low, high))``. Every other override is passed to each trial unchanged.
+- The study lives in ``<sweep dir>/study.db`` (SQLite) unless ``storage`` names another; it
+  records the sweep it belongs to (search space, fixed overrides, metric, direction), so running
+  the same command again continues it up to ``n_trials`` and a different sweep pointed at the
+  same directory is refused. A trial left running by a sweep that died is marked failed (and
+  not counted) when the sweep is run again.
+- Each job gets ``hydra.sweeper.trial``/``storage``/``study_name`` so that it can report its
+  evaluations to its trial (``looplib.sweep.TrialReporter``) from any launcher's process.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep, Transformer
+from hydra.core.utils import JobStatus
+from omegaconf import DictConfig, OmegaConf
+
+from looplib import rundir
+from looplib.errors import EXIT_CONFIG, ConfigError
+
+log = logging.getLogger("looplib")
+STUDY_DB = "study.db"
+DEFAULT_NAME = "looplib"
+PRUNERS = ("median", "hyperband", "none")
+COUNTED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+
+
+def refuse(key: str, problem: str, fix: str) -> None:
+    """One line on stderr, exit 2, before anything is written."""
+    print(f"looplib: error: {ConfigError(key, problem, fix)}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def value_text(value: Any) -> str:
+    """A trial's value as an override's value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def distribution(override: Override) -> optuna.distributions.BaseDistribution:
+    """The Optuna distribution a sweep override describes (``ValueError``: not one Optuna can search)."""
+    sweep = override.value()
+    if isinstance(sweep, ChoiceSweep) or (isinstance(sweep, RangeSweep) and sweep.shuffle):
+        return optuna.distributions.CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
+    if isinstance(sweep, RangeSweep):
+        points = list(override.sweep_iterator())
+        if not points:
+            raise ValueError("the range is empty")
+        step = sweep.step if sweep.step is not None else 1
+        if all(isinstance(p, int) for p in (sweep.start, sweep.stop, step)):
+            return optuna.distributions.IntDistribution(min(points), max(points), step=abs(step))
+        return optuna.distributions.FloatDistribution(min(points), max(points), step=abs(float(step)))
+    if isinstance(sweep, IntervalSweep):
+        unknown = set(sweep.tags) - {"log"}
+        if unknown:
+            raise ValueError(f"unknown tag {sorted(unknown)[0]!r} (tag(log, interval(low, high)) is the one known)")
+        log_scale = "log" in sweep.tags
+        if isinstance(sweep.start, int) and isinstance(sweep.end, int):
+            return optuna.distributions.IntDistribution(sweep.start, sweep.end, log=log_scale)
+        return optuna.distributions.FloatDistribution(float(sweep.start), float(sweep.end), log=log_scale)
+    raise ValueError(f"{type(sweep).__name__} is not a search space (use choice, range, interval or tag(log, interval))")
+
+
+def grid_points(name: str, dist: optuna.distributions.BaseDistribution) -> list:
+    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+        return list(dist.choices)
+    if getattr(dist, "step", None) and not getattr(dist, "log", False):
+        n = int(round((dist.high - dist.low) / dist.step)) + 1
+        return [dist.low + i * dist.step for i in range(n)]
+    refuse(name, "hydra/sweeper/sampler=grid needs a finite set of points, not an interval",
+           f"use {name}=choice(...) or {name}=range(start,stop,step), or another sampler (tpe, random)")
+
+
+class Search:
+    """One sweep: its checked settings, its study, and the loop that runs its trials."""
+
+    def __init__(self, config: DictConfig, arguments: list[str], *, sampler, direction, storage, study_name,
+                 n_trials, n_jobs, pruner, pruner_args, params):
+        if int(optuna.__version__.split(".")[0]) < 4:
+            raise ImportError(f"Optuna {optuna.__version__} is installed")
+        from looplib.settings import Sweep
+        from looplib.sweep import pruner as make_pruner
+        self.config = config
+        task = OmegaConf.to_container(config.get("sweep") or {}, resolve=True)
+        try:
+            job_sweep = Sweep(**task)
+        except ConfigError as err:
+            refuse(err.key, err.problem, err.fix)
+        except TypeError as err:
+            refuse("sweep", f"unknown key ({err})", "sweep has the keys metric and direction")
+        self.metric = job_sweep.metric
+        self.direction = direction or job_sweep.direction
+        if self.direction not in ("minimize", "maximize"):
+            refuse("hydra.sweeper.direction", f"{self.direction!r} is not a direction", "use minimize or maximize")
+        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
+            if not isinstance(value, int) or value < 1:
+                refuse(f"hydra.sweeper.{key}", f"{value!r} is not a positive whole number", f"use e.g. hydra.sweeper.{key}=1")
+        if pruner not in PRUNERS:
+            refuse("hydra.sweeper.pruner", f"{pruner!r} is not a pruner", "use median, hyperband or none")
+        self.pruner_name, self.pruner_args = pruner, dict(pruner_args or {})
+        try:
+            self.pruner = make_pruner(pruner, self.pruner_args)
+        except (TypeError, ValueError) as err:
+            refuse("hydra.sweeper.pruner_args", f"{pruner} does not take {self.pruner_args} ({err})",
+                   "see optuna.pruners' MedianPruner / HyperbandPruner arguments")
+        self.n_trials, self.n_jobs = n_trials, n_jobs
+        self.space, self.fixed = self.search_space(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()])
+        self.sampler_node = OmegaConf.to_container(sampler, resolve=True) if sampler is not None else {
+            "_target_": "optuna.samplers.TPESampler"}
+        self.sampler = self.make_sampler(0)
+        self.sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+        self.default_storage = storage is None
+        self.storage = storage or f"sqlite:///{self.sweep_dir / STUDY_DB}"
+        self.study_name = study_name or DEFAULT_NAME
+        lines = list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()]
+        effective = {line.split("=", 1)[0].lstrip("+~"): line for line in lines}  # the last of a key wins
+        self.signature = {"search": sorted(effective.values()), "metric": self.metric, "direction": self.direction}
+
+    # ------------------------------------------------------------------ checks (nothing written yet)
+    def search_space(self, lines: list[str]) -> tuple[dict, list[str]]:
+        try:
+            overrides = OverridesParser.create().parse_overrides(lines)
+        except Exception as err:  # noqa: BLE001 - Hydra's parser errors: one line
+            refuse("search space", str(err).splitlines()[0], "see docs/sweeps.md for choice, range, interval, tag(log, ...)")
+        space, fixed = {}, []
+        for override in overrides:
+            if not override.is_sweep_override():
+                fixed.append(override.input_line)
+                continue
+            name = override.get_key_element()
+            try:
+                space[name] = distribution(override)
+            except ValueError as err:
+                refuse(name, f"{override.input_line!r} is not a search space Optuna can use: {err}",
+                       f"e.g. '{name}=tag(log, interval(1e-4, 1e-2))', '{name}=choice(a,b)' or '{name}=range(1,9)'")
+        if not space:
+            refuse("search space", "the command names no parameter to search",
+                   "give one, e.g. 'lr=tag(log, interval(1e-4, 1e-2))' or '+precision=choice(fp32,bf16)'")
+        return space, fixed
+
+    def make_sampler(self, trials_before: int) -> optuna.samplers.BaseSampler:
+        """The sampler; a seeded one continuing a study is seeded ``seed + trials_before``, so that
+        it does not suggest again what the first run's startup trials tried."""
+        node = dict(self.sampler_node)
+        target = node.pop("_target_")
+        if node.get("seed") is not None:
+            node["seed"] += trials_before
+        if target == "optuna.samplers.GridSampler":
+            grid = {name: grid_points(name, dist) for name, dist in self.space.items()}
+            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
+            return optuna.samplers.GridSampler(grid, **node)
+        if target == "optuna.samplers.CmaEsSampler":
+            try:
+                import cmaes  # noqa: F401
+            except ImportError:
+                refuse("hydra.sweeper.sampler", "the CMA-ES sampler needs the cmaes package", "pip install cmaes")
+        from hydra.utils import get_class
+        try:
+            return get_class(target)(**node)
+        except Exception as err:  # noqa: BLE001
+            refuse("hydra.sweeper.sampler", f"{target} refused its settings {node} ({err})",
+                   "see Optuna's documentation of the sampler")
+
+    def open_study(self) -> optuna.study.Study:
+        """This sweep's study: created, or continued when the storage already holds it."""
+        existing = []
+        if not self.default_storage or (self.sweep_dir / STUDY_DB).exists():
+            existing = optuna.study.get_all_study_names(storage=self.storage)
+        key = "hydra.sweep.dir" if self.default_storage else "hydra.sweeper.storage"
+        if self.study_name in existing:
+            study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
+                                      pruner=self.pruner)
+            before = study.user_attrs.get("looplib_sweep")
+            if before is not None and before != self.signature:
+                there = [o for o in before["search"] if o not in self.signature["search"]]
+                there += [f"sweep.{k}={before[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
+                here = [o for o in self.signature["search"] if o not in before["search"]]
+                here += [f"sweep.{k}={self.signature[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
+                refuse(key, f"{self.storage} holds study {self.study_name!r} of another sweep ({' '.join(there) or '-'} "
+                       f"there, {' '.join(here) or '-'} here)", f"give a new directory ({key}=...), or the same command")
+            study.sampler = self.make_sampler(len(study.get_trials(deepcopy=False)))
+            return study
+        if self.default_storage and (existing or rundir.results(self.sweep_dir)):
+            held = ", ".join(existing) or ", ".join(rundir.results(self.sweep_dir)[:4])
+            refuse(key, f"{self.sweep_dir} already holds another sweep ({held})",
+                   f"give a new directory ({key}=...)")
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
+                                    pruner=self.pruner, direction=self.direction)
+        study.set_user_attr("looplib_sweep", self.signature)
+        return study
+
+    # ------------------------------------------------------------------ the sweep
+    def run(self, launcher) -> None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = self.open_study()
+        for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            log.warning("trial %d was left running by a sweep that stopped: marked failed, not counted", stale.number)
+            study._storage.set_trial_user_attr(stale._trial_id, "interrupted", True)
+            study.tell(stale.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        done = sum(t.state in COUNTED and not t.user_attrs.get("interrupted") for t in study.get_trials(deepcopy=False))
+        to_go = max(0, self.n_trials - done)
+        log.info("study %r in %s: %d trial(s) done, %d to go (n_trials=%d); %s of %s, sampler %s, pruner %s",
+                 self.study_name, self.storage, done, to_go, self.n_trials, self.direction, self.metric,
+                 type(self.sampler).__name__, self.pruner_name)
+        while to_go > 0:
+            batch = min(self.n_jobs, to_go)
+            trials = [study.ask(self.space) for _ in range(batch)]
+            jobs = []
+            for trial in trials:
+                overrides = [f"{name}={value_text(value)}" for name, value in trial.params.items()] + self.fixed
+                trial.set_user_attr("overrides", overrides)
+                jobs.append(overrides + [f"hydra.sweeper.trial={trial.number}",
+                                         f"hydra.sweeper.storage='{self.storage}'",
+                                         f"hydra.sweeper.study_name='{self.study_name}'"])
+            try:
+                returns = launcher.launch(jobs, initial_job_idx=trials[0].number)
+            except BaseException:  # a job that stopped the sweep (exit 2, a signal): its trials failed
+                for trial in trials:
+                    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                raise
+            for trial, ret in zip(trials, returns):
+                self.tell(study, trial, ret)
+            to_go -= batch
+        self.write_results(study)
+
+    def tell(self, study: optuna.study.Study, trial: optuna.trial.Trial, ret) -> None:
+        value = ret.return_value if ret.status == JobStatus.COMPLETED else None
+        if ret.status != JobStatus.COMPLETED:
+            log.warning("trial %d failed: %r", trial.number, ret._return_value)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = math.nan
+        try:
+            if math.isfinite(value):
+                study.tell(trial.number, value, skip_if_finished=True)  # a pruned trial was told by its job
+            else:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        except RuntimeError as err:  # the grid sampler, its grid done, calls study.stop(): told all the same
+            if "Study.stop" not in str(err):
+                raise
+        state = study.get_trials(deepcopy=False)[trial.number].state
+        log.info("trial %d %s: %s %s (%s)", trial.number, state.name.lower(), self.metric,
+                 f"{value:.6g}" if math.isfinite(value) else "none",
+                 " ".join(f"{k}={value_text(v)}" for k, v in trial.params.items()))
+
+    def write_results(self, study: optuna.study.Study) -> None:
+        """``optimization_results.yaml`` in the sweep directory, as Hydra's Optuna sweeper writes it."""
+        try:
+            best = study.best_trial
+        except ValueError:
+            log.warning("no trial of study %r completed: no best parameters", self.study_name)
+            return
+        results = {"name": "optuna", "best_params": best.params, "best_value": best.value,
+                   "best_trial": best.number, "metric": self.metric, "direction": self.direction,
+                   "study_name": self.study_name, "storage": self.storage,
+                   "command": command(best.user_attrs.get("overrides", []))}
+        OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
+        log.info("best trial %d: %s %.6g with %s", best.number, self.metric, best.value, best.params)
+
+
+def command(overrides: list[str]) -> str:
+    """The command line that runs a trial again on its own."""
+    return " ".join(["python -m looplib.train", *(shlex.quote(o) for o in overrides)])

@@ -1,0 +1,154 @@
+"""What a job of a sweep gives back to its sweeper, and what a trial tells its study as it trains.
+
+    python -m looplib.train -m hydra/sweeper=optuna 'lr=tag(log, interval(1e-4, 1e-2))' \\
+        '+precision=choice(fp32,bf16)' hydra.sweeper.n_trials=20 hydra.sweep.dir=multirun/lr
+
+- **The objective.** Every job returns a number to Hydra: the last value of ``sweep.metric``
+  (default ``eval_loss``) in its ``metrics.jsonl``. Any Hydra sweeper (looplib's Optuna
+  sweeper, Hydra's Ax or Nevergrad sweepers) then receives it. In a sweep, a job that fails
+  (an exception, a stop on non-finite steps, a failed save) or whose objective is not finite
+  returns NaN, which Optuna records as a failed trial, and the sweep goes on; a refused
+  setting (exit 2) and a signal (Ctrl-C, preemption) still stop the whole sweep. Outside a
+  sweep the job exits with its status as before.
+- **Pruning** (``hydra.sweeper.pruner=median|hyperband``, looplib's Optuna sweeper only). The
+  sweeper tells each job its trial (``hydra.sweeper.trial``) and the study's storage; the job
+  opens the study there (so a joblib or SLURM launcher's processes report too), and a
+  ``TrialReporter`` among the run's loggers reports every value of ``sweep.metric`` (each
+  held-out evaluation) to the trial. When the pruner says stop, the run stops the way a
+  preemption does (``Signals.stop``): a checkpoint at that step, then the end of the run; the
+  trial is marked ``pruned`` in the study and a row ``{"step": N, "pruned": 1}`` closes
+  ``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from .errors import EXIT_CONFIG
+from .rundir import SEARCH as SWEEPER  # hydra/sweeper=optuna
+from .loggers import Logger
+from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Signals
+
+log = logging.getLogger("looplib")
+
+PRUNED = "pruned by the study"  # Signals.stop's reason
+STOPS_THE_SWEEP = (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED)  # bad input, Ctrl-C, preemption
+
+
+def in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def job(execute: Callable[[], int]) -> int:
+    """Run the job; in a sweep an unexpected exception is a failed trial (logged with its
+    traceback, status 1) instead of the end of the sweep."""
+    if not in_sweep():
+        return execute()
+    try:
+        return execute()
+    except Exception:  # noqa: BLE001 - one trial's crash must not end the search
+        log.exception("this trial failed")
+        print("looplib: this trial failed (traceback in its log); the sweep goes on", file=sys.stderr, flush=True)
+        return 1
+
+
+def outcome(cfg, run_dir: Path, status: int, signals: Signals) -> float | None:
+    """The job's return value: its objective. Outside a sweep a non-zero status exits the
+    process as before; in a sweep only a refused setting or a signal does (the rest: NaN)."""
+    sweeping = in_sweep()
+    if status and (not sweeping or status in STOPS_THE_SWEEP):
+        sys.exit(status)
+    metric = cfg.get("sweep", {}).get("metric", "eval_loss")
+    rows = read_rows(run_dir / "metrics.jsonl")
+    if signals.reason == PRUNED and rows:
+        with open(run_dir / "metrics.jsonl", "a") as f:  # the run's own files are closed by now
+            f.write(json.dumps({"step": rows[-1].get("step", 0), "pruned": 1}) + "\n")
+    if status:
+        return math.nan
+    value = last_value(rows, metric)
+    if value is None or not math.isfinite(value):
+        if sweeping:
+            log.warning("sweep.metric=%s: %s, so this trial counts as failed", metric,
+                        f"the last value is {value}" if value is not None else
+                        "metrics.jsonl holds no such key (keys: " + ", ".join(sorted({k for r in rows for k in r})) + ")")
+        return math.nan if sweeping else value
+    return value
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a row cut short by a kill
+                pass
+    return rows
+
+
+def last_value(rows: list[dict], key: str) -> float | None:
+    for row in reversed(rows):
+        if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool):
+            return float(row[key])
+    return None
+
+
+def reporting(cfg) -> list[Logger]:
+    """The loggers a job of looplib's Optuna sweeper adds: a ``TrialReporter`` when the sweep
+    prunes; none otherwise (a grid sweep, a single run, Hydra's other sweepers)."""
+    from hydra.core.hydra_config import HydraConfig
+    if not in_sweep():
+        return []
+    sweeper = HydraConfig.get().sweeper
+    if sweeper.get("_target_") != SWEEPER or sweeper.get("trial") is None or sweeper.get("pruner") in (None, "none"):
+        return []
+    metric = cfg.get("sweep", {}).get("metric", "eval_loss")
+    return [TrialReporter(sweeper.storage, sweeper.study_name, int(sweeper.trial), metric,
+                          sweeper.pruner, dict(sweeper.get("pruner_args") or {}))]
+
+
+def pruner(name: str, args: dict):
+    """``median`` / ``hyperband`` / ``none``: Optuna's pruner with ``pruner_args``."""
+    import optuna
+    kinds = {"median": optuna.pruners.MedianPruner, "hyperband": optuna.pruners.HyperbandPruner,
+             "none": optuna.pruners.NopPruner}
+    return kinds[name](**args)
+
+
+class TrialReporter(Logger):
+    """Reports each value of ``metric`` to the trial; stops the run when the pruner says so."""
+
+    def __init__(self, storage: str, study_name: str, trial: int, metric: str, pruner_name: str, pruner_args: dict):
+        import optuna
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.load_study(study_name=study_name, storage=storage,
+                                       sampler=optuna.samplers.RandomSampler(),  # the job samples nothing
+                                       pruner=pruner(pruner_name, pruner_args))
+        self.number, self.metric, self.pruned_at = trial, metric, None
+        trial_id = next(t._trial_id for t in self.study.get_trials(deepcopy=False) if t.number == trial)
+        self.trial = optuna.trial.Trial(self.study, trial_id)  # the sweeper asked it; this process reports to it
+        self.trial.set_user_attr("pid", os.getpid())  # which process ran it (a parallel launcher's worker)
+
+    def log(self, row: dict) -> None:
+        value = row.get(self.metric)
+        if self.pruned_at is not None or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        self.trial.report(float(value), int(row["step"]))
+        if self.trial.should_prune():
+            self.pruned_at = row["step"]
+            log.warning("trial %d pruned at step %d (%s %.4g): checkpoint, then stop", self.number,
+                        row["step"], self.metric, value)
+            if Signals.current is not None:
+                Signals.current.stop(PRUNED)
+
+    def finish(self, status: str, artefacts: dict[str, str]) -> None:
+        if self.pruned_at is not None and status == "preempted":
+            import optuna
+            self.study.tell(self.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
