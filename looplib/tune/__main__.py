@@ -19,12 +19,18 @@ def compose(job: list[str]):
     from hydra import compose as hydra_compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    try:
-        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=job)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError("overrides", " ".join(str(err).split())[:300],
-                          "give the overrides python -m looplib.train takes") from None
+    from ..cli import explain, follow_advice
+    for _ in range(2):  # Hydra's "use +key=value" followed once, as python -m looplib.train does
+        try:
+            with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+                return hydra_compose(config_name="config", overrides=job)
+        except (HydraException, OmegaConfBaseException) as err:
+            advised = follow_advice(str(err), job)
+            if advised is None:
+                key, _, problem = explain(err).partition(": ")
+                raise ConfigError(key, problem, "the job takes the overrides python -m looplib.train takes") from None
+            job = advised
+    return hydra_compose(config_name="config", overrides=job)
 
 
 def planner(job: list[str], space: Space, world: int):
@@ -114,6 +120,8 @@ def run(argv: list[str]) -> int:
     from .measure import World
 
     cmd = split(argv)
+    from ..cli import normalise
+    cmd.job = normalise(cmd.job)  # precision=bf16 and +precision=bf16 alike, as python -m looplib.train takes them
     world = World() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     size, main = (world.size, world.rank == 0) if world else (1, True)
     cfg = compose(cmd.job)

@@ -43,8 +43,8 @@ class Candidate:
         return any(dim in NUMERICS for dim, _ in self.choice)
 
     def label(self) -> str:
-        parts = [f"{self.micro_batch}x{self.accum_steps}"] if self.micro_batch else ["as given"]
-        return " ".join(parts + [f"{d}={o}" for d, o in self.choice])
+        parts = ([f"{self.micro_batch}x{self.accum_steps}"] if self.micro_batch else []) + [f"{d}={o}" for d, o in self.choice]
+        return " ".join(parts) or "as given"
 
 
 @dataclass
