@@ -130,8 +130,10 @@ class World:
         from ..engines.launch import free_port
         port = [free_port() if self.rank == 0 else None]
         self.dist.broadcast_object_list(port, src=0)
+        # the child's rank 0 hosts its own store on the fresh port (under torchrun the agent hosts
+        # the tuners' store, and torch would otherwise wait for an agent's store on that port)
         env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.size), "MASTER_PORT": str(port[0]),
-               "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}
+               "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"), "TORCHELASTIC_USE_AGENT_STORE": "False"}
         return env
 
     def agree(self, outcome: Outcome) -> Outcome:
