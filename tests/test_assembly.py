@@ -3,7 +3,6 @@ runs after Hydra composes) and ``train_model`` build and run the same job, for e
 ``train_model`` has the CLI's run directory, checkpoints, resume and signal handling."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
