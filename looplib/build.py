@@ -66,19 +66,6 @@ def resolved(cfg: DictConfig, group: str | None) -> dict:
                           f"fix the interpolation in {key}") from None
 
 
-def check_sequences_fit(corpus: Any, model: Any) -> None:
-    """A training sample longer than the model's ``seq_len`` would fail in the first forward pass
-    (position embeddings run out): refuse it now. Models and data without these are not asked."""
-    limit = getattr(model, "seq_len", None)
-    try:
-        length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return
-    if isinstance(limit, int) and length > limit:
-        raise ConfigError("data.seq_len", f"the data's sequences hold {length} tokens, more than model.seq_len={limit}",
-                          "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
-
-
 def fill_strategy_defaults(cfg: DictConfig) -> None:
     """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
     A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
