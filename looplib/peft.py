@@ -139,7 +139,14 @@ def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn
 
 
 def import_peft():
-    # peft imports torchao when it is installed, and torchao registers enums with torch's pytree,
-    # which logs two deprecation warnings per process: noise on every LoRA run's stderr
+    # peft imports torchao when it is installed; torchao warns about each compiled kernel its wheel
+    # cannot load here (CUDA-only, another Python's ABI, no triton) and registers enums with torch's
+    # pytree (two deprecation warnings): noise on every LoRA run's stderr that LoRA never uses
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    return need("peft", "peft", "peft", "LoRA")
+    torchao_log = logging.getLogger("torchao")
+    level = torchao_log.level
+    torchao_log.setLevel(logging.ERROR)
+    try:
+        return need("peft", "peft", "peft", "LoRA")
+    finally:
+        torchao_log.setLevel(level)
