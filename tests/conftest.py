@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm
 from looplib.data import RandomTokens
 from looplib.models import GPT
 
@@ -34,11 +35,23 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "looplib.train",
-            timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m looplib.train ARGS`` the way a user types it."""
+            timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m looplib.train ARGS`` the way a user types it: in a fork of an interpreter
+    that has done its imports already (tests/warm.py), or with ``fresh``, a new interpreter."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0", **(env or {})}  # no loss.png: CI time
+    if not fresh and os.environ.get("LOOPLIB_TEST_FRESH", "0") == "0":
+        return warm.run(module, args, cwd, full_env, timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def no_hydra_runtime_left_behind():
+    """A test that runs Hydra in this process (a multirun, compose with its runtime config) leaves
+    HydraConfig set; the next test's jobs would take its sweep for theirs."""
+    yield
+    from hydra.core.hydra_config import HydraConfig
+    HydraConfig.instance().cfg = None
 
 
 @pytest.fixture(scope="session")

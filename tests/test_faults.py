@@ -102,6 +102,7 @@ def test_sigterm_before_training_exits_75_and_leaves_nothing(tmp_path):
 
 
 def test_a_signal_while_training_is_a_flag_and_a_second_ctrl_c_stops_at_once():
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler; ignored in a pytest-xdist worker
     with Signals() as signals:
         with pytest.raises(Interrupted):  # before training: at once
             os.kill(os.getpid(), signal.SIGTERM)
@@ -112,7 +113,7 @@ def test_a_signal_while_training_is_a_flag_and_a_second_ctrl_c_stops_at_once():
             with pytest.raises(Interrupted) as stop:  # second Ctrl-C: now
                 os.kill(os.getpid(), signal.SIGINT)
             assert stop.value.status == EXIT_INTERRUPTED
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 # ---------------------------------------------------------------- 2. another run's results

@@ -61,12 +61,14 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path, reference):
     assert losses(run_dir) == ref_losses  # rows before the stop kept, rows after recomputed identically
 
 
-def test_kill_anywhere_20_trials(tmp_path, reference):
-    results = kill_anywhere.run_trials(20, parallel=2, root=tmp_path)
+def test_kill_anywhere_8_trials(tmp_path, reference):
+    """SIGKILL at random moments (many inside a checkpoint write), then resume=auto: the final weights
+    equal the uninterrupted run's. 8 trials in CI; scripts/kill_anywhere.py --trials 100 for more."""
+    results = kill_anywhere.run_trials(8, parallel=2, root=tmp_path, expected=reference[0])
     failed = [line for ok, line in results if not ok]
     assert not failed, failed
     killed_running = sum("while running" in line for _, line in results)
-    assert killed_running >= 15, [line for _, line in results]
+    assert killed_running >= 6, [line for _, line in results]
 
 
 def test_resume_refuses_a_breaking_change_and_accepts_a_safe_one(tmp_path):

@@ -10,7 +10,9 @@ compared in tests/test_hf_pretrained.py.
 import os
 import re
 import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +38,8 @@ def test_readme_walkthrough_runs_as_typed(tmp_path, token_cache):
     script = re.sub(r"max_steps=\d+", "max_steps=3", walkthrough())
     assert script.count("python -m looplib.train") == 3 and "make_tiny_model" in script
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "LOOPLIB_CACHE": token_cache, "OMP_NUM_THREADS": "1",
+                       timeout=900, env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                                         "LOOPLIB_CACHE": token_cache, "OMP_NUM_THREADS": "1",
                                          "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     runs = tmp_path / "runs"
