@@ -139,14 +139,17 @@ def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn
 
 
 def import_peft():
-    # peft imports torchao when it is installed; torchao warns about each compiled kernel its wheel
-    # cannot load here (CUDA-only, another Python's ABI, no triton) and registers enums with torch's
+    # peft imports torchao and bitsandbytes when they are installed; both warn at import about each
+    # compiled kernel their wheels cannot load here (CUDA-only, another Python's ABI, no triton, no
+    # `kernels` package for bitsandbytes' CPU 4-bit ops), and torchao registers enums with torch's
     # pytree (two deprecation warnings): noise on every LoRA run's stderr that LoRA never uses
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    torchao_log = logging.getLogger("torchao")
-    level = torchao_log.level
-    torchao_log.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
         return need("peft", "peft", "peft", "LoRA")
     finally:
-        torchao_log.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
