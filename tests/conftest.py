@@ -23,6 +23,8 @@ def random_tokens(n: int = 32, seq_len: int = 16, vocab: int = 64, seed: int = 0
 
 
 def has_bitsandbytes() -> bool:
+    import logging
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU build warns at import about a `kernels` package
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

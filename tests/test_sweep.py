@@ -102,6 +102,22 @@ def test_a_hopeless_trial_is_pruned_before_its_last_step_and_a_diverged_one_fail
     assert math.isnan(final(sweep / "2", "loss")[0])  # diverged: a failed trial, and the sweep went on
 
 
+def test_more_failures_than_max_failure_rate_stop_the_sweep_with_exit_1_and_the_study_kept(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0",
+                "hydra.sweeper.pruner=none", "hydra.sweeper.n_trials=3", "hydra.sweeper.max_failure_rate=0.5",
+                "lr=choice(1e6,2e6)", "max_bad_steps=1", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 1, r.stderr
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith("looplib: error: hydra.sweeper.max_failure_rate: 1 of the 1 trials this sweep ran "
+                           "failed (1 > 0.5), so it stopped"), r.stderr
+    assert [t.state.name for t in study_of(sweep).get_trials()] == ["FAIL"]  # not 3: it stopped at once
+    r = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=2", "lr=choice(1e-3)", *QUICK,
+                f"hydra.sweep.dir={tmp_path / 'other'}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2 and r.stderr.startswith("looplib: error: hydra.sweeper.max_failure_rate: 2.0 is not"), r.stderr
+    assert not (tmp_path / "other").exists()
+
+
 @pytest.mark.slow
 def test_a_joblib_launcher_runs_trials_in_two_processes_into_one_study(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")

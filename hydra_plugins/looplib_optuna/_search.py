@@ -91,7 +91,7 @@ class Search:
     """One sweep: its checked settings, its study, and the loop that runs its trials."""
 
     def __init__(self, config: DictConfig, arguments: list[str], *, sampler, direction, storage, study_name,
-                 n_trials, n_jobs, pruner, pruner_args, params):
+                 n_trials, n_jobs, pruner, pruner_args, params, max_failure_rate=1.0):
         if int(optuna.__version__.split(".")[0]) < 4:
             raise ImportError(f"Optuna {optuna.__version__} is installed")
         from looplib.settings import Sweep
@@ -120,6 +120,11 @@ class Search:
             refuse("hydra.sweeper.pruner_args", f"{pruner} does not take {self.pruner_args} ({err})",
                    "see optuna.pruners' MedianPruner / HyperbandPruner arguments")
         self.n_trials, self.n_jobs = n_trials, n_jobs
+        if isinstance(max_failure_rate, bool) or not isinstance(max_failure_rate, (int, float)) \
+                or not 0 <= max_failure_rate <= 1:
+            refuse("hydra.sweeper.max_failure_rate", f"{max_failure_rate!r} is not a share between 0 and 1",
+                   "use e.g. hydra.sweeper.max_failure_rate=0.5 (1.0: never stop)")
+        self.max_failure_rate = float(max_failure_rate)
         self.space, self.fixed = self.search_space(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()])
         self.sampler_node = OmegaConf.to_container(sampler, resolve=True) if sampler is not None else {
             "_target_": "optuna.samplers.TPESampler"}
@@ -219,6 +224,7 @@ class Search:
         log.info("study %r in %s: %d trial(s) done, %d to go (n_trials=%d); %s of %s, sampler %s, pruner %s",
                  self.study_name, self.storage, done, to_go, self.n_trials, self.direction, self.metric,
                  type(self.sampler).__name__, self.pruner_name)
+        told: list = []
         while to_go > 0:
             batch = min(self.n_jobs, to_go)
             trials = [study.ask(self.space) for _ in range(batch)]
@@ -238,7 +244,24 @@ class Search:
             for trial, ret in zip(trials, returns):
                 self.tell(study, trial, ret)
             to_go -= batch
+            told += trials
+            self.stop_if_failing(study, told)
         self.write_results(study)
+
+    def stop_if_failing(self, study: optuna.study.Study, told: list) -> None:
+        """Exit 1 (results written, study kept) once more than ``max_failure_rate`` of this sweep's
+        finished trials failed."""
+        states = study.get_trials(deepcopy=False)
+        failed = [t.number for t in told if states[t.number].state == optuna.trial.TrialState.FAIL]
+        if len(failed) / len(told) <= self.max_failure_rate:
+            return
+        self.write_results(study)
+        print(f"looplib: error: hydra.sweeper.max_failure_rate: {len(failed)} of the {len(told)} trials this sweep "
+              f"ran failed ({len(failed) / len(told):.2g} > {self.max_failure_rate:g}), so it stopped; the study is "
+              f"kept in {self.storage} (failed: {', '.join(str(self.sweep_dir / str(n)) for n in failed[:3])}"
+              f"{', ...' if len(failed) > 3 else ''}): fix what they report, or raise "
+              f"hydra.sweeper.max_failure_rate (1.0 never stops)", file=sys.stderr, flush=True)
+        sys.exit(1)
 
     def tell(self, study: optuna.study.Study, trial: optuna.trial.Trial, ret) -> None:
         value = ret.return_value if ret.status == JobStatus.COMPLETED else None

@@ -61,6 +61,10 @@ class OptunaSweeperConf:
     n_jobs: int = 1                   # trials asked and launched together (a parallel launcher runs them at once)
     pruner: str = "median"            # median | hyperband | none: stops unpromising trials at an evaluation
     pruner_args: Dict[str, Any] = field(default_factory=dict)  # e.g. n_startup_trials, n_warmup_steps
+    # the share of this sweep's finished trials that may fail (an error, a diverged loss) before the
+    # sweep stops with exit 1: 1.0 never stops (Hydra's Optuna sweeper defaults to 0.0, stopping at the
+    # first failure; a learning-rate search expects some trials to diverge)
+    max_failure_rate: float = 1.0
     params: Optional[Dict[str, str]] = None  # the search space in YAML: {lr: "tag(log, interval(1e-4, 1e-2))"}
     trial: Optional[int] = None       # set by the sweeper for each job: the trial it runs (do not set)
 
