@@ -36,6 +36,7 @@ from .errors import EXIT_CONFIG
 # Hydra's command-line flags that take the next argument as their value (not an override)
 TAKES_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
                "--package", "-p", "--cfg", "-c"}
+INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # --info [TOPIC]
 OVERRIDE = re.compile(r"^(\+?)([A-Za-z_][\w-]*)(?==)")   # [+]group=...: a plain group (or top-level key)
 
 # Hydra's refusals whose advice looplib follows for the user: (pattern naming the key, add or drop its "+")
@@ -67,25 +68,34 @@ def group_kinds(config_name: str = "config") -> tuple[set[str], set[str]]:
 
 def normalise(args: list[str], groups: tuple[set[str], set[str]] | None = None) -> list[str]:
     """``precision=bf16`` -> ``+precision=bf16`` for every strategy group, ``+model=x`` ->
-    ``model=x`` for the job's groups; every other argument as typed."""
-    if any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args):
-        return list(args)  # another primary config: its own defaults list decides
-    strategy, job = groups if groups is not None else group_kinds()
-    out, skip = [], False
+    ``model=x`` for the job's groups; every other argument as typed. Hydra's flags (``-m``,
+    ``--cfg job``, ...) go ahead of the overrides, in their order: Hydra's argument parser takes
+    the overrides as one run of words and answers ``x=1 -m y=2,3`` with its usage and
+    "unrecognized arguments"."""
+    flags, overrides, value_of = [], [], None
     for arg in args:
-        if skip or arg.startswith("-"):
-            skip = not skip and arg in TAKES_VALUE
-            out.append(arg)
-            continue
+        if value_of is not None:
+            flags.append(arg)
+            value_of = None
+        elif arg.startswith("-"):
+            flags.append(arg)
+            value_of = arg if arg in TAKES_VALUE else None
+        elif flags and flags[-1] == "--info" and arg in INFO_TOPICS:
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    if any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in flags):
+        return flags + overrides  # another primary config: its own defaults list decides
+    strategy, job = groups if groups is not None else group_kinds()
+    for i, arg in enumerate(overrides):
         match = OVERRIDE.match(arg)
         if match:
             plus, key = match.groups()
             if key in strategy and not plus:
-                arg = "+" + arg
+                overrides[i] = "+" + arg
             elif key in job and plus:
-                arg = arg[1:]
-        out.append(arg)
-    return out
+                overrides[i] = arg[1:]
+    return flags + overrides
 
 
 def follow_advice(message: str, args: list[str]) -> list[str] | None:

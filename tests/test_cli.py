@@ -54,7 +54,8 @@ def test_lr_override_reaches_every_optimizer(tmp_path, token_cache):
 
 def test_multirun_four_jobs(tmp_path):
     optims = "adamw,adam8bit" if has_bitsandbytes() else "adamw,sgd"
-    r = run_cli("-m", "+precision=fp32,bf16", f"+optim={optims}", "max_steps=5", "data=random",
+    # -m among the overrides, as people type it after the fact (Hydra's parser alone refuses that)
+    r = run_cli("+precision=fp32,bf16", "-m", f"+optim={optims}", "max_steps=5", "data=random",
                 "batch_size=4", "log_every=5", "eval_batches=1", "sample_tokens=0",
                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -195,10 +195,13 @@ def test_normalise_adds_or_drops_only_the_plus_of_a_group():
     typed = ["-m", "precision=fp32,bf16", "+model=tiny", "optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)",
              "++max_steps=3", "~loss", "+model.n_layer=2", "schedule=[cosine]", "--config-dir", "precision=x",
              "hydra.run.dir=x", "data=random", "max_steps=1"]
-    assert normalise(typed) == ["-m", "+precision=fp32,bf16", "model=tiny", "+optim=choice(adamw,sgd)", "+engine=ddp",
-                                "lr=range(1,3)", "++max_steps=3", "~loss", "+model.n_layer=2", "+schedule=[cosine]",
-                                "--config-dir", "precision=x", "hydra.run.dir=x", "data=random", "max_steps=1"]
+    assert normalise(typed) == ["-m", "--config-dir", "precision=x", "+precision=fp32,bf16", "model=tiny",
+                                "+optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)", "++max_steps=3", "~loss",
+                                "+model.n_layer=2", "+schedule=[cosine]", "hydra.run.dir=x", "data=random", "max_steps=1"]
     assert normalise(["--config-name", "mine", "precision=bf16"]) == ["--config-name", "mine", "precision=bf16"]
+    # Hydra's flags go first: its parser takes the overrides as one run of words
+    assert normalise(["max_steps=2", "-m", "lr=1,2", "--cfg", "job", "--info", "defaults", "x=1"]) == [
+        "-m", "--cfg", "job", "--info", "defaults", "max_steps=2", "lr=1,2", "x=1"]
 
 
 def test_the_console_script_goes_through_the_same_layer(tmp_path):
