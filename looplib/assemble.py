@@ -227,10 +227,11 @@ def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics:
     telemetry.resumed_from = state.step or None
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
-    log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences, precision %s, "
+    ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
+    log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
              "optimizer %s", type(engine.unwrap(job.model)).__name__,
              sum(p.numel() for p in job.model.parameters()) / 1e6, engine.device, state.step + 1, s.max_steps,
-             micro_batch, s.accum_steps, job.precision.name, type(optimizer).__name__)
+             micro_batch, s.accum_steps, ranks, job.precision.name, type(optimizer).__name__)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)

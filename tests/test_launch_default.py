@@ -38,6 +38,7 @@ def test_torchrun_without_an_engine_trains_ddp_and_two_nodes_match_one(tmp_path)
     said = [line for line in (r.stdout + r.stderr).splitlines() if "no engine was chosen" in line]
     assert len(said) == 1 and "torchrun started 2 processes" in said[0] and "+engine=ddp" in said[0], said
     assert (r.stdout + r.stderr).count("step 3/3") == 1  # one voice, not every line twice
+    assert " x 1 sequences x 2 processes, precision" in r.stdout  # the header's batch is per process
     reference = losses(one)
     assert len(reference) == 3
 
