@@ -409,7 +409,18 @@ def bad_cases(tmp_path, tok_file, tok):
     (tmp_path / "short.txt").write_text("the model")
     write_jsonl(tmp_path / "train.jsonl", [{"text": "a", "label": "pos"}, {"text": "b", "label": "neg"}])
     write_jsonl(tmp_path / "held.jsonl", [{"text": "c", "label": "pos"}, {"text": "d", "label": "maybe"}])
+    from tokenizers import ByteLevelBPETokenizer
+    bpe = ByteLevelBPETokenizer()  # a tokenizer with no end-of-text token of any known name
+    bpe.train_from_iterator(["the model learns"] * 20, vocab_size=270, special_tokens=["<pad>"], show_progress=False)
+    (tmp_path / "no_eos").mkdir()
+    bpe.save(str(tmp_path / "no_eos" / "tokenizer.json"))
+    no_eos = dict(tokenizer=str(tmp_path / "no_eos" / "tokenizer.json"), vocab_size=bpe.get_vocab_size())
     return {
+        "no eos for text": (lambda: TextCorpus(str(tmp_path / "short.txt"), 2, **no_eos),
+                            "data.tokenizer: the tokenizer at " + no_eos["tokenizer"] + " has no end-of-text token to "
+                            "end documents with; use a tokenizer with an eos_token"),
+        "no eos for instruct": (lambda: InstructCorpus(str(tmp_path / "qa.jsonl"), 8, **no_eos),
+                                "has no end-of-text token to end completions with"),
         "missing path": (lambda: TextCorpus(str(tmp_path / "nope"), 8, **t),
                          f"data.path: {tmp_path / 'nope'} does not exist"),
         "no path": (lambda: TextCorpus(None, 8, **t), "data.path: no files given"),

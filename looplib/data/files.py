@@ -30,6 +30,9 @@ class FileCorpus(Corpus):
     ids are put together (``assemble``)."""
 
     kind = "text"
+    # what the end-of-text token ends in these data ("documents", "completions"): a given tokenizer
+    # without one is refused; None: not needed
+    eos_ends: str | None = None
 
     def __init__(self, path, seq_len: int, tokenizer: str | None, vocab_size: int, eval_path, eval_fraction: float,
                  seed: int, errors: str):  # checked by looplib.schema against the subclasses' annotations
@@ -65,6 +68,9 @@ class FileCorpus(Corpus):
         if vocab_size != info.vocab_size:
             raise ConfigError("data.vocab_size", f"data.vocab_size={vocab_size} but the tokenizer at {spec} has "
                               f"{info.vocab_size} tokens", "leave data.vocab_size out: it follows data.tokenizer")
+        if self.eos_ends and info.eos_id is None:
+            raise ConfigError("data.tokenizer", f"the tokenizer at {spec} has no end-of-text token to end {self.eos_ends} "
+                              "with", "use a tokenizer with an eos_token (tokenizer_config.json), or data.tokenizer=null")
         return info
 
     def reader_settings(self) -> dict:
@@ -124,6 +130,7 @@ class TextCorpus(FileCorpus):
     ended with the end-of-text token, read back to back in windows of ``seq_len + 1`` ids."""
 
     kind = "text"
+    eos_ends = "documents"
 
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
                  vocab_size: Positive[int] = 8192, field: str = "text", eval_path: str | list[str] | None = None,
@@ -133,13 +140,6 @@ class TextCorpus(FileCorpus):
 
     def reader_settings(self):
         return {**super().reader_settings(), "field": self.field}
-
-    def tokenizer_for(self, spec, vocab_size, files):
-        info = super().tokenizer_for(spec, vocab_size, files)
-        if info.eos_id is None:
-            raise ConfigError("data.tokenizer", f"the tokenizer at {spec} has no end-of-text token to end documents with",
-                              "use a tokenizer with an eos_token (tokenizer_config.json), or data.tokenizer=null")
-        return info
 
     def units(self, files, key, bar=None):
         for f in files:

@@ -30,6 +30,7 @@ class InstructCorpus(FileCorpus):
 
     kind = "instruct"
     padded = True
+    eos_ends = "completions"
 
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
                  vocab_size: Positive[int] = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
@@ -47,13 +48,6 @@ class InstructCorpus(FileCorpus):
 
     def reader_settings(self):
         return {**super().reader_settings(), **self.fields}
-
-    def tokenizer_for(self, spec, vocab_size, files):
-        info = super().tokenizer_for(spec, vocab_size, files)
-        if info.eos_id is None:
-            raise ConfigError("data.tokenizer", f"the tokenizer at {spec} has no end-of-text token to end completions with",
-                              "use a tokenizer with an eos_token (tokenizer_config.json), or data.tokenizer=null")
-        return info
 
     def units(self, files, key, bar=None):
         for f in files:
