@@ -2,19 +2,11 @@
 
 (Not activation checkpointing, which is ``looplib.checkpointing``.)
 
-A checkpoint is a directory ``checkpoints/step-00000120/`` holding
-
-    model.safetensors   the weights (safetensors: no code runs when they are loaded)
-    state.pt            optimizer, scheduler, precision (GradScaler) state, step/epoch/position,
-                        RNG states: loaded with ``torch.load(weights_only=True)`` only
-    config.yaml         the resolved config it was made with (and its hash in meta.json)
-    meta.json           step, epoch, data position, config hash, looplib/torch versions
-    manifest.json       written last: size and sha256 of every other file
-
-It is written into a temporary directory beside its final place, each file flushed to disk,
-then renamed: a directory without a valid manifest is not a checkpoint, and the previous
-checkpoints are deleted only after the new one is complete. Reading and checking a checkpoint
-directory: ``looplib.checkpoint_files``; what a resume accepts: ``looplib.resume``.
+A checkpoint is a directory ``checkpoints/step-00000120/`` of five files (what each holds:
+``looplib.checkpoint_files``, which reads and checks them; what a resume accepts:
+``looplib.resume``). It is written into a temporary directory beside its final place, each
+file flushed to disk, then renamed: a directory without a valid manifest is not a checkpoint,
+and the previous checkpoints are deleted only after the new one is complete.
 """
 from __future__ import annotations
 
