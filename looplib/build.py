@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .engines import launch
 from .errors import ConfigError
 from .resolvers import register_resolvers
-from .schema import check_options, parameters, refuse_unknown
+from .schema import check_options, cli, parameters, refuse_unknown
 from .settings import Settings, settings_from
 
 register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composing needs them)
@@ -51,6 +51,10 @@ def check_settings(cfg: DictConfig) -> Settings:
     top = {k: v for k, v in resolved(cfg, None).items() if k not in groups and k != "hydra"}
     for key in top:
         if key not in names:
+            owners = [g for g in sorted(groups) if isinstance(cfg.get(g), DictConfig) and key in cfg[g]]
+            if owners:  # n_layer=4 for model.n_layer=4, momentum=0.9 for optim.momentum=0.9
+                raise ConfigError(key, f"{key} is not a top-level setting but a setting of {' and '.join(owners)}",
+                                  "write " + " or ".join(f"{g}.{key}={cli(top[key])}" for g in owners))
             refuse_unknown("", key, top[key], sorted(names + list(groups)), "")
     return settings_from(top)
 

@@ -87,6 +87,7 @@ def normalise(args: list[str], groups: tuple[set[str], set[str]] | None = None) 
     if any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in flags):
         return flags + overrides  # another primary config: its own defaults list decides
     strategy, job = groups if groups is not None else group_kinds()
+    group_of, last = [None] * len(overrides), {}  # a strategy group's overrides, and the index of its last
     for i, arg in enumerate(overrides):
         match = OVERRIDE.match(arg)
         if match:
@@ -95,7 +96,11 @@ def normalise(args: list[str], groups: tuple[set[str], set[str]] | None = None) 
                 overrides[i] = "+" + arg
             elif key in job and plus:
                 overrides[i] = arg[1:]
-    return flags + overrides
+            if key in strategy:
+                group_of[i], last[key] = key, i
+    # a strategy group given twice: the last wins, as for a setting or a job group (Hydra keeps the first
+    # appended one without a word: +precision=bf16 ... +precision=fp16 trained in bf16)
+    return flags + [arg for i, arg in enumerate(overrides) if group_of[i] is None or last[group_of[i]] == i]
 
 
 def follow_advice(message: str, args: list[str]) -> list[str] | None:

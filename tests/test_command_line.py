@@ -46,6 +46,9 @@ def test_both_spellings_of_a_group_make_the_same_config():
 KEYS = [  # Hydra's "use +key=value" followed, then looplib's check names the closest setting (in the job)
     (["max_step=10"], "max_step: ", "did you mean max_steps?"),
     (["model.n_layr=3"], "model.n_layr: ", "did you mean model.n_layer?"),
+    # a group's setting typed at the top level: the group named
+    (["+optim=sgd", "momentum=0.8"], "momentum: ", "a setting of optim; write optim.momentum=0.8"),
+    (["n_layer=4"], "n_layer: ", "write model.n_layer=4"),
 ]
 
 
@@ -199,6 +202,9 @@ def test_normalise_adds_or_drops_only_the_plus_of_a_group():
                                 "+optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)", "++max_steps=3", "~loss",
                                 "+model.n_layer=2", "+schedule=[cosine]", "hydra.run.dir=x", "data=random", "max_steps=1"]
     assert normalise(["--config-name", "mine", "precision=bf16"]) == ["--config-name", "mine", "precision=bf16"]
+    # a strategy group given twice: the last wins, as Hydra has it for settings and the job's groups
+    assert normalise(["+precision=bf16", "max_steps=2", "precision=fp16", "+optim=sgd", "+precision.x=1"]) == [
+        "max_steps=2", "+precision=fp16", "+optim=sgd", "+precision.x=1"]
     # Hydra's flags go first: its parser takes the overrides as one run of words
     assert normalise(["max_steps=2", "-m", "lr=1,2", "--cfg", "job", "--info", "defaults", "x=1"]) == [
         "-m", "--cfg", "job", "--info", "defaults", "max_steps=2", "lr=1,2", "x=1"]
