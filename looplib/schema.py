@@ -119,6 +119,8 @@ def conform(key: str, value: Any, hint: Any) -> None:
         whole = hint is int
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
             quoted = isinstance(value, str) and parses_as_number(value)
+            if whole and isinstance(value, float) and value.is_integer():  # max_steps=1e3 reads as 1000.0
+                raise Refused(f"{key}={show(value)} is a float, not {describe(hint)} (write {key}={int(value)})", in_kind=True)
             raise Refused(f"{key}={show(value)} is {'a string, ' if quoted else ''}not {describe(hint)}"
                           + (" (write it without quotes)" if quoted else ""))
         if not whole and not math.isfinite(value):

@@ -90,6 +90,8 @@ def test_the_cli_key_set_is_frozen():
 
 @pytest.mark.parametrize("key,value,message", [
     ("max_steps", "abc", "max_steps='abc' is not a whole number"),
+    ("max_steps", "1e3", "max_steps=1000.0 is a float, not a whole number (write max_steps=1000)"),
+    ("batch_size", "8.0", "batch_size=8.0 is a float, not a whole number (write batch_size=8)"),
     ("accum_steps", 0, "accum_steps must be at least 1"),
     ("batch_size", -1, "batch_size must be at least 1"),
     ("lr", -1, "lr must be positive"),
