@@ -107,6 +107,11 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     if run_dir is not None:
         from .rundir import check as check_run_dir
         check_run_dir(Path(run_dir), settings.resume, "run_dir")  # never mixed into another run's files
+    check_strategies(dict(precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
+                          evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger))
+    if export not in ("auto", "hf", None):
+        raise ConfigError("export", f"export={export!r} is not a kind of export",
+                          "use export='auto' (what the command line writes), 'hf' or None (no weights)")
     parts = Parts(model, data, objective or TokenCrossEntropy(), precision or Precision(), optim or AdamW(),
                   schedule or Schedule(), engine, peft or FullModel(), compile or Compile(),
                   evaluation or Evaluation(), checkpointing or Checkpointing(), logger or Logger())
@@ -132,6 +137,40 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
         raise Interrupted(signals.signum, trained)
     job.engine.close()  # a collective (DDP, DeepSpeed): every rank got here
     return trained
+
+
+BASES = {"precision": Precision, "optim": OptimizerFactory, "schedule": Schedule, "peft": FullModel,
+         "compile": Compile, "evaluation": Evaluation, "checkpointing": Checkpointing, "engine": Engine,
+         "logger": Logger}
+
+
+def check_strategies(given: dict[str, Any]) -> None:
+    """Each strategy argument is the object its config group builds (or a subclass of its base):
+    ``precision="bf16"`` is refused in one line naming the class to pass, not an AttributeError
+    deep in the run."""
+    for group, obj in given.items():
+        if obj is None or isinstance(obj, BASES[group]):
+            continue
+        if isinstance(obj, str):
+            target = option_class(group, obj)
+            fix = (f"pass the object: {group}={target.rsplit('.', 1)[1]}() (from {target.rsplit('.', 1)[0]} import "
+                   f"{target.rsplit('.', 1)[1]})" if target else f"pass a {BASES[group].__name__} object "
+                   f"(the classes: docs/extending.md)")
+            raise ConfigError(group, f"{group}={obj!r} is the command line's option name, not a strategy object", fix)
+        raise ConfigError(group, f"{group}={type(obj).__name__}(...) is not a {BASES[group].__name__}",
+                          f"pass a {BASES[group].__module__}.{BASES[group].__name__} (or a subclass of it)")
+
+
+def option_class(group: str, option: str) -> str | None:
+    """The ``_target_`` of ``conf/<group>/<option>.yaml`` (read as text: no Hydra, no OmegaConf)."""
+    import re
+    from importlib import resources
+    try:
+        text = (resources.files("looplib.conf") / group / f"{option}.yaml").read_text()
+    except (OSError, ModuleNotFoundError):
+        return None
+    found = re.search(r"^_target_:\s*([\w.]+)", text, re.M)
+    return found.group(1) if found else None
 
 
 def record(settings, parts: Parts, run_dir: str | Path | None) -> Record:

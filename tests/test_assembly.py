@@ -109,4 +109,16 @@ def test_train_model_refuses_in_one_line(tmp_path):
         train_model(tiny_gpt(), random_tokens(8), max_steps=1, resume="auto", device="cpu")
     with pytest.raises(ConfigError, match="^export: "):
         train_model(tiny_gpt(), random_tokens(8), max_steps=1, export="hf", run_dir=tmp_path / "r", device="cpu")
+    with pytest.raises(ConfigError, match=r"^export: export='onnx' is not a kind of export"):
+        train_model(tiny_gpt(), random_tokens(8), max_steps=1, export="onnx", run_dir=tmp_path / "r", device="cpu")
+    # the command line's option names where the objects go: the class to pass is named
+    for group, option, said in (("precision", "bf16", "precision=BF16() (from looplib.precision import BF16)"),
+                                ("engine", "ddp", "engine=DDP() (from looplib.engines import DDP)"),
+                                ("optim", "adam8bit", "optim=Adam8bit() (from looplib.optim import Adam8bit)")):
+        with pytest.raises(ConfigError, match=f"^{group}: {group}='{option}' is the command line's option name") as e:
+            train_model(tiny_gpt(), random_tokens(8), max_steps=1, run_dir=tmp_path / "r", device="cpu",
+                        **{group: option})
+        assert said in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"^schedule: schedule=dict\(...\) is not a Schedule"):
+        train_model(tiny_gpt(), random_tokens(8), max_steps=1, schedule={"warmup_steps": 2}, device="cpu")
     assert not (tmp_path / "r").exists()
