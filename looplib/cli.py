@@ -152,9 +152,38 @@ def explain(err: BaseException) -> str:
         return (f"{name}: cannot read the argument '{err.override}' ({first}); write key=value, quote values "
                 "holding spaces or brackets, see https://hydra.cc/docs/advanced/override_grammar/basic")
     cause = err.__cause__
+    parent, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
+    if str(getattr(cause, "full_key", "")).startswith("hydra.") and hasattr(parent, "keys") and key is not None:
+        # a typo in one of Hydra's structured nodes (hydra.sweeper.n_trial): Hydra advises "+key", which
+        # its schema then refuses as well; name the closest key instead
+        known = [str(k) for k in parent.keys() if not str(k).startswith("_")]
+        where = str(cause.full_key).rsplit(".", 1)[0]
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        fix = f"did you mean {where}.{close[0]}?" if close else f"its keys are: {', '.join(known)}"
+        elsewhere = options_with_key(where, str(key))
+        if elsewhere and not close:  # hydra.sweeper.n_trials with the basic sweeper
+            fix = f"{key} is a setting of {' and '.join(elsewhere)}: choose it (-m {elsewhere[0]} ...)"
+        owner = getattr(cause, "object_type", None)
+        return (f"{cause.full_key}: {key} is not a setting of {where}"
+                f"{f' ({owner.__name__})' if isinstance(owner, type) else ''}; {fix}")
     if cause is not None and str(cause).strip():
         text += " (" + " ".join(str(cause).split()) + ")"
     return f"command line: {text}"
+
+
+def options_with_key(where: str, key: str) -> list[str]:
+    """``hydra/sweeper=optuna`` for ``("hydra.sweeper", "n_trials")``: the options of one of Hydra's
+    groups whose node has ``key`` (from Hydra's ConfigStore, where plugins register them)."""
+    from hydra.core.config_store import ConfigStore
+    group = where.replace(".", "/")
+    try:
+        node = ConfigStore.instance().repo
+        for part in group.split("/"):
+            node = node[part]
+    except (KeyError, TypeError):
+        return []
+    return [f"{group}={name[:-5]}" for name, entry in sorted(node.items())
+            if name.endswith(".yaml") and hasattr(entry, "node") and key in entry.node]
 
 
 class BelowWarning(logging.Filter):

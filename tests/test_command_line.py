@@ -81,6 +81,12 @@ REFUSED = [  # refused by Hydra as it composes: checked in this process (no job 
     (["model=gpt"], "model: there is no option 'gpt'", "(model=gpt2_small)"),
     (["lr=1e-3,3e-4"], "lr: 'lr=1e-3,3e-4' holds several values", "add -m"),
     (["lr=[1e-3"], "lr: cannot read the argument 'lr=[1e-3'", "override_grammar"),
+    # a typo in one of Hydra's own nodes: the closest key, or the option of the group that has it
+    (["hydra.run.dri=x"], "hydra.run.dri: dri is not a setting of hydra.run", "did you mean hydra.run.dir?"),
+    (["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trial=3", "lr=1e-3"], "hydra.sweeper.n_trial: ",
+     "did you mean hydra.sweeper.n_trials?"),
+    (["-m", "hydra.sweeper.n_trials=3", "lr=1e-3"], "hydra.sweeper.n_trials: ",
+     "n_trials is a setting of hydra/sweeper=optuna: choose it"),
 ]
 
 
