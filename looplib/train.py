@@ -9,6 +9,7 @@ line and an exit status.
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import assemble, loggers, rundir, sweep
 from .assemble import Job, Parts, Record
 from .build import check_config, instantiate, origin
-from .engines.launch import EXIT_LOST_RANK, launched_rank, lost_rank_line
+from .engines.launch import EXIT_LOST_RANK, launched_rank, launched_world, lost_rank_line
 from .errors import EXIT_CONFIG, ConfigError
 from .checkpoints import EXIT_IO, EXIT_NUMERIC, NumericError, SaveError
 from .resolvers import register_resolvers
@@ -64,7 +65,19 @@ def record(cfg: DictConfig) -> Record:
         target = cfg[group_name].get("_target_") if group_name in cfg else None
         origins[group_name] = f" ({target}, {origin(group_name, target)})" if target else ""
     return Record(OmegaConf.to_container(cfg, resolve=True), lambda config: OmegaConf.to_yaml(OmegaConf.create(config)),
-                  name, group, "python -m looplib.train ... resume=auto hydra.run.dir={run_dir}", origins)
+                  name, group, continue_command().replace("{", "{{").replace("}", "}}") + "{run_dir}", origins)
+
+
+def continue_command() -> str:
+    """The command that continues this run, ready to paste but for its directory (appended): the
+    job's own overrides, then resume=auto and hydra.run.dir=."""
+    task = []
+    if HydraConfig.initialized():
+        task = [o for o in HydraConfig.get().overrides.task
+                if not o.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
+    world, who = launched_world()
+    start = ["python", "-m", "looplib.train"] if world <= 1 else [who, "...", "-m", "looplib.train"]
+    return " ".join([*start, *map(shlex.quote, task), "resume=auto", "hydra.run.dir="])
 
 
 def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:
@@ -113,7 +126,7 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
         signals.finish()
         if signals.training:  # a second Ctrl-C while training
             say(f"looplib: stopped at once ({sig}); the last complete checkpoint stays. Continue with: "
-                f"python -m looplib.train ... resume=auto hydra.run.dir={run_dir}")
+                f"{continue_command()}{shlex.quote(str(run_dir))}")
         else:
             say(f"looplib: stopped ({sig}) before training started; nothing was saved")
             rundir.forget(run_dir, fresh)

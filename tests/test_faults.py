@@ -251,7 +251,11 @@ def test_ctrl_c_saves_exits_130_and_says_how_to_resume(tmp_path):
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == EXIT_INTERRUPTED, out
-    assert "interrupted (Ctrl-C) at step" in out and "resume=auto" in out and "Traceback" not in out
+    assert "interrupted (Ctrl-C) at step" in out and "Traceback" not in out
+    # the command to paste: the run's own overrides (normalised), then resume=auto and its directory
+    said = out.split("Continue with: ", 1)[1].splitlines()[0]
+    assert said == " ".join(["python -m looplib.train", *TINY, "max_steps=100000", "checkpoint.every_steps=0",
+                             "resume=auto", f"hydra.run.dir={run_dir}"]), said
     [saved] = (run_dir / "checkpoints").iterdir()  # resumes like a preempted run (test_resume_cli.py)
     assert is_valid(saved) is None and not (run_dir / "model.safetensors").exists()
 
