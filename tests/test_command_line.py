@@ -134,11 +134,17 @@ def test_resume_auto_without_a_run_directory_names_the_run_to_continue(tmp_path,
     assert r.returncode == 0, r.stderr
     [earlier] = [p.relative_to(tmp_path) for p in (tmp_path / "outputs").glob("*/*")]
     before = everything(tmp_path)
-    line = refused_here(["resume=auto", *TINY], capsys)
+    line = refused_here(["resume=auto", "max_steps=2"], capsys)
     assert f"the most recent run with a checkpoint is {earlier} (step 1)" in line
-    assert line.endswith(f"continue it with: python -m looplib.train resume=auto {' '.join(TINY)} "
-                         f"hydra.run.dir={earlier}")
     assert everything(tmp_path) == before  # no new run directory: never a silent fresh start
+    # the command named is that run's own overrides with what was typed now, and it continues the run
+    command = [a for a in saved if not a.startswith("max_steps")] + ["max_steps=2", "resume=auto",
+                                                                     f"hydra.run.dir={earlier}"]
+    assert line.endswith("continue it with: python -m looplib.train " + " ".join(command)), line
+    r = run_cli(*command, cwd=tmp_path, env=ENV)
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout + r.stderr
+    assert [json.loads(x)["step"] for x in (tmp_path / earlier / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in x] == [1, 2]
 
 
 def test_progress_on_stdout_problems_on_stderr_small_data_said_sample_saved(tmp_path):
