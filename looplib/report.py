@@ -297,6 +297,9 @@ def near_data(ax, values: list[float]) -> None:
 def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
     """Write report.md, report.csv and (with matplotlib) report.png; returns their paths."""
     sweep = Path(sweep)
+    if not sweep.is_dir():
+        raise FileNotFoundError(f"{sweep} is not a directory; give a sweep's directory (multirun/<date>/<time>) "
+                                "or one run's (outputs/<date>/<time>)")
     jobs = collect(sweep)
     if not jobs:
         raise FileNotFoundError(f"no job directories (with .hydra/overrides.yaml) under {sweep}")
@@ -323,7 +326,7 @@ def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m looplib.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", help="a multirun directory, e.g. multirun/2026-01-01/12-00-00, or one run's "
+    parser.add_argument("sweep", metavar="DIR", help="a multirun directory, e.g. multirun/2026-01-01/12-00-00, or one run's "
                         "directory (outputs/2026-01-01/12-00-00: its loss curve, loss.png)")
     parser.add_argument("--out", help="where to write report.md/.csv/.png (default: the sweep or run directory)")
     args = parser.parse_args(argv)

@@ -43,6 +43,10 @@ def test_report_of_an_empty_directory_is_one_line(tmp_path):
     r = run_cli(str(tmp_path), module="looplib.report", cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("looplib.report: error: no job directories")
+    r = run_cli(str(tmp_path / "nowhere"), module="looplib.report", cwd=tmp_path)  # a mistyped path
+    assert r.returncode == 2 and r.stderr.strip().startswith(f"looplib.report: error: {tmp_path / 'nowhere'} is "
+                                                             "not a directory; give a sweep's directory"), r.stderr
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_report_says_what_memory_measures_with_spread_and_curves(tracked_sweep, tmp_path):

@@ -134,6 +134,15 @@ def test_bad_settings_are_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "t").exists()
 
 
+def test_help_prints_the_usage_and_every_tune_key(capsys):
+    from looplib.tune.__main__ import main
+    from looplib.tune.settings import Tune
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m looplib.tune ") and "tune.numerics=keep" in out
+    assert all(f"  tune.{name}=" in out for name in Tune.__dataclass_fields__)
+
+
 @pytest.mark.slow
 def test_under_torchrun_the_engines_are_candidates_and_the_ranks_agree(tmp_path):
     env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}

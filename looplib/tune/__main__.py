@@ -215,9 +215,27 @@ def finish(result: dict, run_dir: Path) -> None:
         print("[tune] no candidate was measured (see tune.md for each one's reason)", flush=True)
 
 
+def usage() -> str:
+    """``--help``: what looplib.tune does, and every ``tune.*`` key with its default."""
+    from dataclasses import MISSING, fields
+
+    from .. import tune
+    from .settings import Tune
+    lines = ["usage: python -m looplib.tune [the job's overrides, as python -m looplib.train takes them] "
+             "[tune.KEY=VALUE ...]", "", tune.__doc__.strip(), "", "tune.* settings (default):"]
+    for f in fields(Tune):
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  tune.{f.name}={'null' if default is None else str(default).lower() if isinstance(default, bool) else default}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return run(argv)
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"looplib: error: {err}", file=sys.stderr, flush=True)
