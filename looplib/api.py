@@ -133,6 +133,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
                                export=export is not None)
     finally:
         signals.__exit__()
+        parts.precision.close()  # what its setup changed in the process (TF32's flags), however it ended
     if trained.state.preempted:
         raise Interrupted(signals.signum, trained)
     job.engine.close()  # a collective (DDP, DeepSpeed): every rank got here

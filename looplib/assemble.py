@@ -188,7 +188,15 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
 def run(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics: Path | None = None,
         export: bool = True) -> Trained:
     """Train ``job``, writing into ``run_dir`` (metrics.jsonl, config.yaml, checkpoints/, the
-    exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``."""
+    exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``.
+    However it ends, the precision puts back what it changed in the process (TF32's flags)."""
+    try:
+        return train(job, run_dir, signals, metrics, export)
+    finally:
+        job.precision.close()
+
+
+def train(job: Job, run_dir: Path | None, signals: Signals | None, metrics: Path | None, export: bool) -> Trained:
     s, engine, signals = job.settings, job.engine, signals or Signals()
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

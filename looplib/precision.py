@@ -31,6 +31,11 @@ class Precision:
     def setup(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
+    def close(self) -> None:
+        """The run has ended: put back any process-wide setting ``setup`` changed (TF32's flags),
+        so that the next run in this process (a sweep's next job, a second ``train_model``) starts
+        from what the process had."""
+
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         """Swap modules the precision computes differently (fp8: Float8Linear); others: as is."""
         return model
@@ -73,10 +78,19 @@ class TF32(Precision):
 
     name = "tf32"
 
+    before: tuple[bool, bool] | None = None
+
     def setup(self, device):
         super().setup(device)
+        if self.before is None:
+            self.before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+    def close(self):
+        if self.before is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.before
+            self.before = None
 
 
 class Autocast(Precision):

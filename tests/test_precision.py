@@ -138,3 +138,25 @@ def test_between_logging_steps_the_loop_reads_nothing_back_with_a_fused_optimize
         assert seen[0] == seen[1] and seen[0]["bool"] == 0, seen
     elif prec_name != "fp16":
         assert [s["bool"] for s in seen] == [3, 9], seen
+
+
+def test_tf32_puts_its_flags_back_when_the_run_ends(tmp_path):
+    """TF32 sets process-wide flags: the next run in the process (a sweep's next job, a second
+    train_model) must not inherit them, whether the run finished or was refused after its setup."""
+    from looplib import train_model
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    before = flags()
+    seen = []
+
+    class Watch(TokenCrossEntropy):
+        def __call__(self, model, batch):
+            seen.append(flags())
+            return super().__call__(model, batch)
+
+    train_model(tiny_gpt(), random_tokens(8), max_steps=1, batch_size=4, device="cpu", precision=prec.TF32(),
+                objective=Watch())
+    assert seen and seen[0] == (True, True) and flags() == before  # on while it trained, back after
+    with pytest.raises(ConfigError, match="^data.seq_len: "):  # refused after the precision's setup
+        train_model(tiny_gpt(seq_len=16), random_tokens(8, seq_len=32), max_steps=1, batch_size=4, device="cpu",
+                    precision=prec.TF32())
+    assert flags() == before
