@@ -115,7 +115,11 @@ def follow_advice(message: str, args: list[str]) -> list[str] | None:
             return None
         for i, arg in enumerate(args):
             if action == "add" and arg.startswith(f"{key}="):
-                return args[:i] + ["+" + arg] + args[i + 1:]
+                # a key of a strategy group: "++" (add, or override where the chosen option has it), as a
+                # sweep over the group needs (-m +optim=sgd,adamw optim.lr=1e-3: the sweep's own config has
+                # no optim yet, and each job's has optim.lr)
+                plus = "++" if "." in key and key.split(".")[0] in group_kinds()[0] else "+"
+                return args[:i] + [plus + arg] + args[i + 1:]
             if action == "drop" and arg.startswith(f"+{key}="):
                 return args[:i] + [arg[1:]] + args[i + 1:]
     return None

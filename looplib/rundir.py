@@ -188,6 +188,13 @@ class RunDirGuard(Callback):
         if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH:
             return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.sweep)
         self._check(config, "hydra.sweep.dir")
+        if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper") and \
+                OmegaConf.select(config, "hydra.launcher._target_", default="").endswith(".BasicLauncher"):
+            from .train import check_sweep_jobs  # the jobs run here, one after another
+            try:
+                check_sweep_jobs(config)  # every job's settings before the first job runs
+            except ConfigError as err:
+                refuse(err)
         path = as_rank0(config, "hydra.sweep.dir")
         cli.sweep_started(path, fresh=path is not None and not path.exists())
 

@@ -55,7 +55,8 @@ def test_lr_override_reaches_every_optimizer(tmp_path, token_cache):
 def test_multirun_four_jobs(tmp_path):
     optims = "adamw,adam8bit" if has_bitsandbytes() else "adamw,sgd"
     # -m among the overrides, as people type it after the fact (Hydra's parser alone refuses that)
-    r = run_cli("+precision=fp32,bf16", "-m", f"+optim={optims}", "max_steps=5", "data=random",
+    # and a key of the swept group set once for every job (Hydra alone wants ++optim.lr there)
+    r = run_cli("+precision=fp32,bf16", "-m", f"+optim={optims}", "optim.lr=0.0123", "max_steps=5", "data=random",
                 "batch_size=4", "log_every=5", "eval_batches=1", "sample_tokens=0",
                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -65,7 +66,7 @@ def test_multirun_four_jobs(tmp_path):
     for job in jobs:
         overrides = (job / ".hydra" / "overrides.yaml").read_text()
         seen.add(overrides)
-        assert metrics(job)[-1]["step"] == 5
+        assert metrics(job)[-1]["step"] == 5 and metrics(job)[0]["lr"] == pytest.approx(0.0123)
         assert (job / "model.safetensors").exists()
     assert len(seen) == 4
 

@@ -87,6 +87,12 @@ REFUSED = [  # refused by Hydra as it composes: checked in this process (no job 
      "did you mean hydra.sweeper.n_trials?"),
     (["-m", "hydra.sweeper.n_trials=3", "lr=1e-3"], "hydra.sweeper.n_trials: ",
      "n_trials is a setting of hydra/sweeper=optuna: choose it"),
+    # a grid sweep's every job is checked before the first runs: not after job 0 has trained
+    (["-m", "lr=1e-3,-1"], "lr: lr must be positive (got lr=-1) (in job 1 of the 2: lr=-1 ",
+     "; no job of the sweep has run"),
+    (["-m", "batch_size=4,0", "+optim=adamw,sgd"], "batch_size: batch_size must be at least 1",
+     "(in job 2 of the 4: batch_size=0 +optim=adamw "),
+    (["-m", "+optim=sgd,adamw", "optim.lr=-1"], "optim.lr: ", "(from optim=sgd) (in job 0 of the 2: +optim=sgd "),
 ]
 
 
