@@ -44,6 +44,10 @@ def hydra_config():
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
+# the groups whose objects are cheap to build (no data, no model, no tracker): strategies and the loss
+STRATEGIES = ("engine", "precision", "optim", "schedule", "loss", "peft", "compile", "evaluation", "checkpointing")
+
+
 def check_settings(cfg: DictConfig) -> Settings:
     """The top level: every key is a setting (``Settings``, ``loader.*``, ``checkpoint.*``) or a
     config group, and every setting has its type and range."""

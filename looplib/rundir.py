@@ -190,7 +190,7 @@ class RunDirGuard(Callback):
         self._check(config, "hydra.sweep.dir")
         if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper") and \
                 OmegaConf.select(config, "hydra.launcher._target_", default="").endswith(".BasicLauncher"):
-            from .train import check_sweep_jobs  # the jobs run here, one after another
+            from .sweep import check_sweep_jobs  # the jobs run here, one after another
             try:
                 check_sweep_jobs(config)  # every job's settings before the first job runs
             except ConfigError as err:

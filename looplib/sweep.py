@@ -27,12 +27,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .errors import EXIT_CONFIG
+from .errors import EXIT_CONFIG, ConfigError
 from .rundir import SEARCH as SWEEPER  # hydra/sweeper=optuna
 from .loggers import Logger
 from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Signals
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger("looplib")
 
@@ -152,3 +155,41 @@ class TrialReporter(Logger):
         if self.pruned_at is not None and status == "preempted":
             import optuna
             self.study.tell(self.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
+
+
+def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
+    """Every job of a grid sweep run by Hydra's basic sweeper and launcher, checked as its run will
+    check it (every key, then each strategy built: a missing package is refused here) before the
+    first job starts, so that ``-m lr=1e-3,-1`` or ``+optim=adamw,adam8bit`` without bitsandbytes
+    stops before any job ran, not after the jobs before it. Hydra composes each batch itself (a
+    missing option is found then); these checks are looplib's. The first ``most`` jobs."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from .build import STRATEGIES, check_config, instantiate
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    task = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
+    jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
+            for job in batch]
+    for n, job in enumerate(jobs[:most] if len(jobs) > 1 else []):
+        try:
+            cfg = compose(config_name=OmegaConf.select(config, "hydra.job.config_name"), overrides=job,
+                          return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - Hydra's own refusal of a job: Hydra says it as the batch starts
+            return
+        hydra_config, sweep_config = HydraConfig.instance(), HydraConfig.instance().cfg
+        hydra_config.set_config(cfg)  # the job's choices, for messages that say which option chose a class
+        try:
+            with open_dict(cfg):
+                del cfg["hydra"]
+            check_config(cfg)
+            for group in STRATEGIES:  # built, not set up: no device is touched
+                instantiate(cfg, group)
+        except ConfigError as err:
+            raise ConfigError(err.key, f"{err.problem} (in job {n} of the {len(jobs)}: {' '.join(job)})",
+                              f"{err.fix}; no job of the sweep has run") from None
+        finally:
+            hydra_config.cfg = sweep_config

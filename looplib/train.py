@@ -16,11 +16,11 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from . import assemble, loggers, rundir, sweep
 from .assemble import Job, Parts, Record
-from .build import check_config, instantiate, origin
+from .build import STRATEGIES, check_config, instantiate, origin
 from .engines.launch import EXIT_LOST_RANK, launched_rank, launched_world, lost_rank_line
 from .errors import EXIT_CONFIG, ConfigError
 from .checkpoints import EXIT_IO, EXIT_NUMERIC, NumericError, SaveError
@@ -30,9 +30,6 @@ from .train_state import TrainState
 
 log = logging.getLogger("looplib")
 register_resolvers()  # ${looplib.rank0_dir:...}: one run directory per run under torchrun
-
-STRATEGIES = ("engine", "precision", "optim", "schedule", "loss", "peft", "compile", "evaluation", "checkpointing")
-
 
 def build_job(cfg: DictConfig) -> Job:
     """Checks first (cheap), then the expensive pieces (data, model), then the assembly."""
@@ -51,40 +48,6 @@ def build_job(cfg: DictConfig) -> Job:
     except BaseException:
         built["precision"].close()  # what its setup changed in the process (a sweep's next job runs here)
         raise
-
-
-def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
-    """Every job of a grid sweep run by Hydra's basic sweeper and launcher, checked as its run will
-    check it (every key, then each strategy built: a missing package is refused here) before the
-    first job starts, so that ``-m lr=1e-3,-1`` or ``+optim=adamw,adam8bit`` without bitsandbytes
-    stops before any job ran, not after the jobs before it. Hydra composes each batch itself (a
-    missing option is found then); these checks are looplib's. The first ``most`` jobs."""
-    from hydra import compose
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
-    task = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
-            for job in batch]
-    for n, job in enumerate(jobs[:most] if len(jobs) > 1 else []):
-        try:
-            cfg = compose(config_name=OmegaConf.select(config, "hydra.job.config_name"), overrides=job,
-                          return_hydra_config=True)
-        except Exception:  # noqa: BLE001 - Hydra's own refusal of a job: Hydra says it as the batch starts
-            return
-        hydra_config, sweep_config = HydraConfig.instance(), HydraConfig.instance().cfg
-        hydra_config.set_config(cfg)  # the job's choices, for messages that say which option chose a class
-        try:
-            with open_dict(cfg):
-                del cfg["hydra"]
-            check_config(cfg)
-            for group in STRATEGIES:  # built, not set up: no device is touched
-                instantiate(cfg, group)
-        except ConfigError as err:
-            raise ConfigError(err.key, f"{err.problem} (in job {n} of the {len(jobs)}: {' '.join(job)})",
-                              f"{err.fix}; no job of the sweep has run") from None
-        finally:
-            hydra_config.cfg = sweep_config
 
 
 def record(cfg: DictConfig) -> Record:
