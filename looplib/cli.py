@@ -205,7 +205,7 @@ _state = {"user_full_error": None, "sweep_dir": None, "sweep_fresh": False}
 
 
 def job_started() -> None:
-    """Called by ``looplib.rundir.RunDirGuard`` as a job starts: from here an exception is the
+    """Called by ``looplib.rundir_guard.RunDirGuard`` as a job starts: from here an exception is the
     job's own, and Hydra reports it as it always does."""
     if _state["user_full_error"] is None:
         os.environ.pop(_FULL_ERROR, None)

@@ -62,6 +62,12 @@ heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("hydra", "omegaconf
                                                               "matplotlib", "bitsandbytes", "tensorboard",
                                                               "mlflow", "wandb"))
 assert not heavy, heavy
+import os
+os.environ["LOOPLIB_PLOT"] = "0"  # no loss.png: matplotlib is a library of its own
+again = train_model(model, data, max_steps=2, batch_size=8, device="cpu", run_dir="run", checkpoint_every=1)
+assert (again.run_dir / "config.yaml").exists() and len(list((again.run_dir / "checkpoints").iterdir())) == 2
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("hydra", "omegaconf"))
+assert not heavy, heavy  # a run directory with checkpoints, still without Hydra
 print("ok")
 """
 

@@ -67,7 +67,7 @@ FLOORS = [
     # one assembly of a run, and what builds on it
     ["looplib.assemble", "looplib.autobatch"],
     # the ways in: command lines, the Python API, tools
-    ["looplib", "looplib.train", "looplib.api", "looplib.tune", "looplib.cli", "looplib.rundir", "looplib.sweep", "looplib.report", "looplib.report_study",
+    ["looplib", "looplib.train", "looplib.api", "looplib.tune", "looplib.cli", "looplib.rundir", "looplib.rundir_guard", "looplib.sweep", "looplib.report", "looplib.report_study",
      "looplib.make_tiny_model"],
 ]
 

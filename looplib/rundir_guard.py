@@ -1,0 +1,119 @@
+"""``RunDirGuard``, the Hydra callback behind ``python -m looplib.train``'s run directory
+(``hydra.callbacks`` in conf/config.yaml): Hydra calls it before it creates the run directory,
+opens its log file there or writes ``.hydra/``, so a refusal leaves an earlier run's files
+untouched. The rules themselves (what a run directory may hold, removing what a refused run
+wrote) are Hydra-free, in ``looplib.rundir``, which ``train_model`` uses without Hydra.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from . import cli
+from .engines import launch
+from .errors import ConfigError
+from .rundir import SEARCH, check, latest_resumable, refuse
+
+
+def as_rank0(config: DictConfig, key: str) -> Path | None:
+    """The directory ``key`` names for rank 0 (every rank resolves the same one), or None
+    where it does not resolve here (Hydra then reports its own error)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        HydraConfig.instance().set_config(config)  # for ${hydra:...} in the path
+        with launch.resolving_as_rank0():
+            return Path(str(OmegaConf.select(config, key))).absolute()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def fresh_root(config: DictConfig) -> Path | None:
+    """Where a new run directory is made when ``hydra.run.dir`` names a new timestamped one
+    (``outputs/${now:...}``, the default): ``outputs``. None when it names a fixed directory."""
+    pattern = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+    if not isinstance(pattern, str) or "${now:" not in pattern:
+        return None
+    head = pattern.split("${now:", 1)[0].replace("${looplib.rank0_dir:", "")
+    return Path(head or ".")
+
+
+def check_resume_target(config: DictConfig) -> None:
+    """``resume=auto`` with no run directory given would start a new run at step 0: refused,
+    naming the most recent run it could continue and the command that does (``ConfigError``)."""
+    resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
+    root = fresh_root(config) if resume == "auto" else None
+    if root is None:
+        return
+    task = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
+    found = latest_resumable(root)
+    if found is None:
+        raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given and "
+                          f"no run under {root}/ has a checkpoint to continue",
+                          "to start a new run leave resume out; to continue a run elsewhere give its directory: "
+                          "hydra.run.dir=DIR")
+    run, step = found
+    command = " ".join(["python -m looplib.train", *continued(run, task), f"hydra.run.dir={run}"])
+    raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
+                      f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
+                      f"continue it with: {command}")
+
+
+def continued(run: Path, task: list[str]) -> list[str]:
+    """The overrides that continue ``run``: its own (``.hydra/overrides.yaml``), then those typed
+    now (the last of a key wins: a longer max_steps, say), ``resume=auto`` last."""
+    import shlex
+    try:
+        before = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    except (OSError, ValueError, TypeError):
+        before = []
+    merged: dict[str, str] = {}
+    for override in [*before, *task]:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in ("resume", "hydra.run.dir"):
+            merged.pop(key, None)  # re-inserted: in the order last given
+            merged[key] = override
+    return [*map(shlex.quote, merged.values()), "resume=auto"]
+
+
+class RunDirGuard(Callback):
+    """Checks the run (or sweep) directory before Hydra writes anything into it."""
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        path = as_rank0(config, key)
+        if path is None:
+            return
+        resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
+        try:
+            check(path, None if resume is None else str(resume), key)
+        except ConfigError as err:
+            refuse(err)
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            check_resume_target(config)
+        except ConfigError as err:
+            refuse(err)
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH:
+            return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.sweep)
+        self._check(config, "hydra.sweep.dir")
+        if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper") and \
+                OmegaConf.select(config, "hydra.launcher._target_", default="").endswith(".BasicLauncher"):
+            from .sweep import check_sweep_jobs  # the jobs run here, one after another
+            try:
+                check_sweep_jobs(config)  # every job's settings before the first job runs
+            except ConfigError as err:
+                refuse(err)
+        path = as_rank0(config, "hydra.sweep.dir")
+        cli.sweep_started(path, fresh=path is not None and not path.exists())
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        cli.job_started()
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+        cli.job_ended(getattr(job_return, "status", None) == JobStatus.COMPLETED)
