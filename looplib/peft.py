@@ -16,6 +16,8 @@ library (absolute imports), imported only when LoRA is chosen (``pip install 'lo
 from __future__ import annotations
 
 import logging
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -102,8 +104,9 @@ class LoRA(FullModel):
         config = dict(self.config, target_modules=targets)
         try:  # a transformers wrapper (looplib.hf) adapts the model inside it: peft's own key names
             adapt = getattr(model, "adapt", None)
-            wrapped = adapt(self.peft, config) if adapt else self.peft.get_peft_model(
-                model, self.peft.LoraConfig(**config))
+            with quiet_peft():
+                wrapped = adapt(self.peft, config) if adapt else self.peft.get_peft_model(
+                    model, self.peft.LoraConfig(**config))
         except ValueError as err:  # anything peft refuses that the checks above did not catch
             raise ConfigError("peft.target_modules", str(err).splitlines()[0],
                               "name Linear (or Embedding/Conv) layers of the model") from None
@@ -132,10 +135,20 @@ def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn
     """``model`` (the same base weights the adapter was trained on) with the adapter at ``path``;
     a transformers wrapper (looplib.hf) takes it on the model inside, as it was trained."""
     peft = import_peft()
-    if hasattr(model, "adapt"):
-        model.hf = peft.PeftModel.from_pretrained(model.hf, str(path), is_trainable=trainable)
-        return model
-    return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    with quiet_peft():
+        if hasattr(model, "adapt"):
+            model.hf = peft.PeftModel.from_pretrained(model.hf, str(path), is_trainable=trainable)
+            return model
+        return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+@contextmanager
+def quiet_peft():
+    """peft asks a transformers 5 model for ``is_gradient_checkpointing``, which transformers has
+    deprecated: a FutureWarning on every LoRA run about code the user does not own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def import_peft():
