@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,7 +306,7 @@ def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Pa
                     "was saved", what, state.step)
         return
     log.warning("%s at step %d: checkpoint saved. Continue with: %s", what, state.step,
-                record.resume_hint.format(run_dir=run_dir))
+                record.resume_hint.format(run_dir=shlex.quote(str(run_dir))))
 
 
 def mfu_settings(job: Job) -> dict:
