@@ -117,10 +117,12 @@ def execute(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
         say(f"looplib: error: {err}; the last complete checkpoint stays (resume=auto continues from it)")
         return EXIT_IO
     except Exception as err:  # noqa: BLE001 - a collective that failed because another rank is gone
+        # first of all: torchrun's SIGTERM to the survivors follows, and may arrive while the lost
+        # rank is looked for; from here it changes nothing (the run has ended either way)
+        signals.finish()
         line = lost_rank_line(err)
         if line is None:
             raise
-        signals.finish()  # torchrun's SIGTERM to the survivors follows: it changes nothing now
         if line:
             print(line, file=sys.stderr, flush=True)
         return EXIT_LOST_RANK
