@@ -153,10 +153,9 @@ def check_strategies(given: dict[str, Any]) -> None:
         if obj is None or isinstance(obj, BASES[group]):
             continue
         if isinstance(obj, str):
-            target = option_class(group, obj)
-            fix = (f"pass the object: {group}={target.rsplit('.', 1)[1]}() (from {target.rsplit('.', 1)[0]} import "
-                   f"{target.rsplit('.', 1)[1]})" if target else f"pass a {BASES[group].__name__} object "
-                   f"(the classes: docs/extending.md)")
+            module, _, name = (option_class(group, obj) or "").rpartition(".")
+            fix = (f"pass the object: {group}={name}() (from {module} import {name})" if module else
+                   f"pass a {BASES[group].__name__} object (the classes: docs/extending.md)")
             raise ConfigError(group, f"{group}={obj!r} is the command line's option name, not a strategy object", fix)
         raise ConfigError(group, f"{group}={type(obj).__name__}(...) is not a {BASES[group].__name__}",
                           f"pass a {BASES[group].__module__}.{BASES[group].__name__} (or a subclass of it)")

@@ -87,6 +87,19 @@ def write_exit_status(status: int) -> None:
         os.replace(tmp, path)
 
 
+def continued(overrides: list[str]) -> list[str]:
+    """The overrides of a command that continues a run, shell-quoted: ``overrides`` with the last
+    value of each key kept (in the order last given), no run directory, ``resume=auto`` last."""
+    import shlex
+    merged: dict[str, str] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in ("resume", "hydra.run.dir"):
+            merged.pop(key, None)
+            merged[key] = override
+    return [*map(shlex.quote, merged.values()), "resume=auto"]
+
+
 def latest_resumable(root: Path) -> tuple[Path, int] | None:
     """The most recent run directory under ``root`` holding a valid checkpoint, and its step."""
     from .state import is_valid, step_dirs

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import cli
 from .engines import launch
 from .errors import ConfigError
-from .rundir import SEARCH, check, latest_resumable, refuse
+from .rundir import SEARCH, check, continued, latest_resumable, refuse
 
 
 def as_rank0(config: DictConfig, key: str) -> Path | None:
@@ -54,27 +54,14 @@ def check_resume_target(config: DictConfig) -> None:
                           "to start a new run leave resume out; to continue a run elsewhere give its directory: "
                           "hydra.run.dir=DIR")
     run, step = found
-    command = " ".join(["python -m looplib.train", *continued(run, task), f"hydra.run.dir={run}"])
-    raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
-                      f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
-                      f"continue it with: {command}")
-
-
-def continued(run: Path, task: list[str]) -> list[str]:
-    """The overrides that continue ``run``: its own (``.hydra/overrides.yaml``), then those typed
-    now (the last of a key wins: a longer max_steps, say), ``resume=auto`` last."""
-    import shlex
-    try:
+    try:  # that run's own overrides, then those typed now
         before = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
     except (OSError, ValueError, TypeError):
         before = []
-    merged: dict[str, str] = {}
-    for override in [*before, *task]:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key not in ("resume", "hydra.run.dir"):
-            merged.pop(key, None)  # re-inserted: in the order last given
-            merged[key] = override
-    return [*map(shlex.quote, merged.values()), "resume=auto"]
+    command = " ".join(["python -m looplib.train", *continued([*before, *task]), f"hydra.run.dir={run}"])
+    raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
+                      f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
+                      f"continue it with: {command}")
 
 
 class RunDirGuard(Callback):

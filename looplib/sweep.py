@@ -164,12 +164,12 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
     stops before any job ran, not after the jobs before it. Hydra composes each batch itself (a
     missing option is found then); these checks are looplib's. The first ``most`` jobs."""
     from hydra import compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf, open_dict
 
     from .build import STRATEGIES, check_config, instantiate
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     task = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
     jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)

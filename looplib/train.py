@@ -73,13 +73,10 @@ def record(cfg: DictConfig) -> Record:
 def continue_command() -> str:
     """The command that continues this run, ready to paste but for its directory (appended): the
     job's own overrides, then resume=auto and hydra.run.dir=."""
-    task = []
-    if HydraConfig.initialized():
-        task = [o for o in HydraConfig.get().overrides.task
-                if not o.lstrip("+~").startswith(("resume=", "hydra.run.dir="))]
+    task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     world, who = launched_world()
     start = ["python", "-m", "looplib.train"] if world <= 1 else [who, "...", "-m", "looplib.train"]
-    return " ".join([*start, *map(shlex.quote, task), "resume=auto", "hydra.run.dir="])
+    return " ".join([*start, *rundir.continued(task), "hydra.run.dir="])
 
 
 def run(job: Job, run_dir: Path, signals: Signals | None = None) -> TrainState:

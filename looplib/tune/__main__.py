@@ -220,12 +220,13 @@ def usage() -> str:
     from dataclasses import MISSING, fields
 
     from .. import tune
+    from ..schema import cli
     from .settings import Tune
     lines = ["usage: python -m looplib.tune [the job's overrides, as python -m looplib.train takes them] "
              "[tune.KEY=VALUE ...]", "", tune.__doc__.strip(), "", "tune.* settings (default):"]
     for f in fields(Tune):
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  tune.{f.name}={'null' if default is None else str(default).lower() if isinstance(default, bool) else default}")
+        lines.append(f"  tune.{f.name}={cli(default)}")
     return "\n".join(lines)
 
 
