@@ -12,31 +12,32 @@ matplotlib) are imported only when chosen; importing looplib never imports Hydra
 """
 from .accumulation import Accumulation, Window
 from .peft import GPT_LINEARS, FullModel, LoRA, load_lora
-from .api import Datasets, Trained, train_model
+from .run.api import Datasets, Trained, train_model
 from .checkpointing import ActivationCheckpointing, Checkpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
-from .errors import ConfigError
+from .errors import ConfigError, Interrupted, NumericError, RunEnded, SaveError
 from .evaluation import Evaluation, HalfWeights, evaluate
+from . import moved as _moved
 from .loop import fit
 from .loss import SequenceCrossEntropy, TokenCrossEntropy
 from .optim import SGD, Adafactor, Adam8bit, AdamW, OptimizerFactory, list_optimizers, param_groups
 from .precision import BF16, FP16, FP32, TF32, Autocast, Precision
-from .signals import Interrupted
-from .checkpoints import NumericError, SaveError
 from .schedule import Constant, Schedule, WarmupCosine
 from .telemetry import Telemetry
 from .train_state import TrainState
+from .version import __version__
 
-__version__ = "0.1.0"
+
+_moved.install()  # the old import paths, for one release, each with a FutureWarning naming the new one
 
 __all__ = [
     "fit", "evaluate", "TrainState", "Accumulation", "Window", "Epochs", "EpochSampler", "build_loader",
     "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
-    "train_model", "Trained", "Datasets", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
+    "train_model", "Trained", "Datasets", "RunEnded", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
     "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
     "GPT_LINEARS",
     "Checkpointing", "ActivationCheckpointing",

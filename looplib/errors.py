@@ -1,14 +1,93 @@
-"""looplib's own configuration errors: one line naming the setting and the fix, exit status 2."""
+"""How a run ends, when it does not simply finish: one exception type, ``RunEnded``, and every
+exit status the command line returns for it.
 
-EXIT_CONFIG = 2
+    status  ending              raised as
+    0       finished            (no exception; a sweep's pruned trial also ends with 0)
+    1       a rank was lost     ``LostRank``: another process of the run died (killed, out of memory, a node)
+    2       refused             ``ConfigError``: a setting looplib cannot honour, found before it trains it
+    3       numeric             ``NumericError``: too many consecutive steps with inf/NaN
+    74      I/O                 ``SaveError``: a checkpoint could not be written; the last complete one stays
+    75      preempted           ``Interrupted``: SIGTERM/SIGUSR1, saved at the next step boundary
+    130     interrupted         ``Interrupted``: Ctrl-C
+
+``looplib.run.lifecycle.execute`` raises them (``train_model`` lets them through to Python
+callers); ``python -m looplib.train`` prints ``err.line`` and exits with ``err.status``.
+``RunEnded`` derives from ``BaseException`` so that ``Interrupted``, which a signal raises
+wherever the process is, passes through a library's ``except Exception``; the others are also
+``Exception``\\ s (``ConfigError``) or ``RuntimeError``\\ s, as before.
+"""
+from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0
+EXIT_LOST_RANK = 1       # a crash, elsewhere: another rank's process ended
+EXIT_CONFIG = 2          # looplib's own checks: one line naming the setting and the fix
+EXIT_NUMERIC = 3         # max_bad_steps consecutive non-finite steps: the run cannot go on
+EXIT_IO = 74             # EX_IOERR: a checkpoint could not be written (a full disk, ...)
+EXIT_PREEMPTED = 75      # EX_TEMPFAIL: a scheduler may requeue the job; resume=auto continues it
+EXIT_INTERRUPTED = 130   # 128 + SIGINT: Ctrl-C
 
 
-class ConfigError(Exception):
+class RunEnded(BaseException):
+    """A run that ended before it finished. ``status``: the command line's exit status;
+    ``line``: what the command line says (set where the ending is known, "" when already said,
+    or said by another rank); ``result``: what was trained so far (a ``Trained``), where saved."""
+
+    status = 1
+    line = ""
+    result = None
+
+
+class ConfigError(RunEnded, Exception):
     """A setting that looplib refuses. ``str(err)`` is the one line the user sees."""
+
+    status = EXIT_CONFIG
 
     def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(" ".join(f"{key}: {problem}; {fix}".split()))  # always one line
+
+
+class NumericError(RunEnded, RuntimeError):
+    """Too many consecutive steps with non-finite loss or gradients."""
+
+    status = EXIT_NUMERIC
+
+
+class SaveError(RunEnded, RuntimeError):
+    """A checkpoint could not be written (on this rank or another); the last complete one stays."""
+
+    status = EXIT_IO
+
+    def __init__(self, path, cause: BaseException | None):
+        self.path, self.cause = path, cause
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
+        super().__init__(f"could not write the checkpoint {path} ({why})")
+
+
+class LostRank(RunEnded, RuntimeError):
+    """A collective failed because another rank of the run is gone."""
+
+    status = EXIT_LOST_RANK
+
+
+def exit_status(signum: int | None) -> int:
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+def signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "a signal"
+
+
+class Interrupted(RunEnded):
+    """A signal stopped the run: at once (before training, or a second Ctrl-C), or at a step
+    boundary after saving (``result`` then holds what was trained, its ``state.step`` the
+    checkpoint's step). ``status``: 75 or 130, as the CLI exits."""
+
+    def __init__(self, signum: int | None, result=None):
+        super().__init__(signal_name(signum))
+        self.signum, self.status, self.result = signum, exit_status(signum), result
 
 
 def need(module: str, extra: str, setting: str, what: str | None = None, otherwise: str | None = None,

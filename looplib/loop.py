@@ -15,7 +15,6 @@ from .data import Epochs
 from .engines import Engine
 from .evaluation import evaluate
 from .precision import Precision
-from .checkpoints import Checkpoints
 from .train_state import TrainState
 from .telemetry import Telemetry
 
@@ -24,15 +23,16 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         max_steps: int, scheduler=None, precision: Precision | None = None,
         accumulation: Accumulation | None = None, engine: Engine | None = None,
         max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
-        eval_data=None, eval_every: int = 0, evaluator=None, checkpoints: Checkpoints | None = None,
+        eval_data=None, eval_every: int = 0, evaluator=None, checkpoints=None,
         state: TrainState | None = None) -> TrainState:
     """Train ``model`` (already on ``engine``'s device) until ``state.step == max_steps``, or
-    until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True)."""
+    until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True).
+    ``checkpoints``: anything with ``after_step(state) -> stop`` (``looplib.run.saving.Checkpoints``)."""
     precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
     engine, state = engine or Engine("cpu"), state or TrainState()
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
-    checkpoints = checkpoints or Checkpoints(None)
+    checkpoints = checkpoints or NoCheckpoints()
     evaluator = evaluator or evaluate  # looplib.evaluation: e.g. half-precision weights
     epochs = data if isinstance(data, Epochs) else Epochs(data)
     telemetry.watch(optimizer, epochs)
@@ -61,6 +61,13 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         if checkpoints.after_step(state) or state.step >= max_steps:  # saves when due; preemption
             break
     return state
+
+
+class NoCheckpoints:
+    """The loop's default: nothing is saved, and nothing asks the loop to stop."""
+
+    def after_step(self, state: TrainState) -> bool:
+        return False
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:

@@ -178,6 +178,7 @@ class FP16(Autocast):
 
     name = "fp16"
     dtype = torch.float16
+    scaler_class = torch.amp.GradScaler  # an engine may choose another at assembly (FSDP: ShardedGradScaler)
 
     def __init__(self, init_scale: Positive[float] = 2.0**16, growth_factor: Annotated[float, Range(gt=1)] = 2.0,
                  backoff_factor: Annotated[float, Range(gt=0, lt=1)] = 0.5, growth_interval: Positive[int] = 2000):
@@ -187,7 +188,7 @@ class FP16(Autocast):
 
     def setup(self, device):
         super().setup(device)
-        self.scaler = torch.amp.GradScaler(self.device.type, **self.scaler_args)
+        self.scaler = self.scaler_class(self.device.type, **self.scaler_args)
 
     def backward(self, loss):
         self.scaler.scale(loss).backward()

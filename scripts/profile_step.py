@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     from hydra import compose, initialize_config_module
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from looplib.train import build_job, run
+    from looplib.cli.main import build_job
+    from looplib.run.training import train
 
     total = args.warmup + args.steps
     fixed = [f"max_steps={total}", f"log_every={total}", "eval_every=0", "eval_batches=0", "sample_tokens=0",
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         with prof, tempfile.TemporaryDirectory() as tmp:
-            run(job, Path(tmp))
+            train(job, Path(tmp))
     finally:
         handle.remove()
     prof.export_chrome_trace(str(args.out / "trace.json"))

@@ -10,14 +10,17 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from looplib import train, train_model
-from looplib.build import check_config
+from looplib import train_model
+from looplib.cli.instantiate import check_config
+from looplib.cli.main import job_parts
+from looplib.groups import strategies
+from looplib.run.lifecycle import execute
+from looplib.run.signals import Signals
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=16", "data.vocab_size=64", "model.n_layer=1",
        "model.d_model=32", "model.n_head=2", "model.seq_len=16", "batch_size=2", "accum_steps=2", "max_steps=4",
        "log_every=1", "eval_every=2", "eval_batches=2", "sample_tokens=0", "checkpoint.every_steps=2",
        "+schedule=cosine", "schedule.warmup_steps=2", "device=cpu", "progress=lines"]
-GROUPS = ("loss", "precision", "optim", "schedule", "engine", "peft", "compile", "evaluation", "checkpointing")
 
 
 def compose_job(engine: str):
@@ -28,17 +31,17 @@ def compose_job(engine: str):
 
 
 def through_the_cli(engine: str, run_dir: Path):
-    """What ``python -m looplib.train`` does once Hydra has composed the config."""
-    job = train.build_job(compose_job(engine))
-    train.run(job, job.engine.shared_run_dir(run_dir))
-    return job.engine, job.model
+    """What ``python -m looplib.train`` does once Hydra has composed the config: its front door."""
+    cfg, made = compose_job(engine), []
+    trained = execute(lambda: made.append(job_parts(cfg)) or made[0], run_dir, Signals(), fresh=True)
+    return made[0][0].engine, trained.model
 
 
 def through_python(engine: str, run_dir: Path):
     """The same strategy objects, built in Python, handed to train_model."""
     cfg = compose_job(engine)
     s = check_config(cfg)  # fills the default groups, as the CLI does, so that the same classes are built
-    parts = {group: instantiate(cfg[group]) for group in GROUPS}
+    parts = {row.name: instantiate(cfg[row.name]) for row in strategies()}
     torch.manual_seed(s.seed)  # the CLI seeds before building the data and the model
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)

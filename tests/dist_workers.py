@@ -125,15 +125,16 @@ def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[in
     for stage in stages:
         def build():
             engine = DeepSpeed("cpu", stage=stage)
-            engine.check(settings(world), FP32(), AdamW(lr=LR, weight_decay=0.1))
+            precision = engine.precision_for(FP32())  # chosen once, for the engine (DeepSpeed's own)
+            engine.check(settings(world), precision, AdamW(lr=LR, weight_decay=0.1))
             model = engine.setup(tiny_gpt())
             optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
             scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
-            return engine, scheduler, engine.prepare(model, optimizer, FP32(), settings(world))
+            return engine, scheduler, precision, engine.prepare(model, optimizer, settings(world))
 
-        engine, scheduler, p = build()
+        engine, scheduler, precision, p = build()
         epochs = Epochs(loader(engine.rank, world))
-        state, t1 = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm, epochs, STEPS)
+        state, t1 = train(engine, p.model, p.optimizer, scheduler, precision, p.max_grad_norm, epochs, STEPS)
         counts = t1.optimizer_steps, t1.boundaries  # before t2 adds its own hook on the same optimizer
         live = engine.full_weights(p.model)
         export = Path(out) / f"stage{stage}.safetensors"
@@ -141,14 +142,14 @@ def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[in
         ckpt = Path(out) / f"ckpt{stage}"
         engine.save_checkpoint(ckpt, {"step": state.step, "scheduler": scheduler.state_dict(),
                                       "epoch": epochs.epoch, "batches_seen": epochs.batches_seen})
-        _, t2 = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm, epochs, STEPS + MORE, state)
+        _, t2 = train(engine, p.model, p.optimizer, scheduler, precision, p.max_grad_norm, epochs, STEPS + MORE, state)
         continued = engine.full_weights(p.model)
 
-        engine2, scheduler2, p2 = build()  # a fresh process would do the same: build, then load
+        engine2, scheduler2, precision2, p2 = build()  # a fresh process would do the same: build, then load
         client = engine2.load_checkpoint(ckpt)
         scheduler2.load_state_dict(client["scheduler"])
         epochs2 = Epochs(loader(engine2.rank, world), client["epoch"], client["batches_seen"])
-        _, t3 = train(engine2, p2.model, p2.optimizer, scheduler2, p2.precision, p2.max_grad_norm, epochs2,
+        _, t3 = train(engine2, p2.model, p2.optimizer, scheduler2, precision2, p2.max_grad_norm, epochs2,
                       STEPS + MORE, TrainState(step=client["step"]))
         resumed = engine2.full_weights(p2.model)
         if engine.is_main:
@@ -190,12 +191,13 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
     group.foreach_reduce = counting
     engine = FSDP("cpu")
-    engine.check(settings(world), FP32(), AdamW(lr=LR, weight_decay=0.1))
+    precision = engine.precision_for(FP32())
+    engine.check(settings(world), precision, AdamW(lr=LR, weight_decay=0.1))
     model = engine.setup(tiny_gpt())
     optimizer = AdamW(lr=LR, weight_decay=0.1, impl="fused").build(model)  # fused AdamW on DTensors
     scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
-    p = engine.prepare(model, optimizer, FP32(), settings(world))
-    _, telemetry = train(engine, p.model, p.optimizer, scheduler, p.precision, p.max_grad_norm,
+    p = engine.prepare(model, optimizer, settings(world))
+    _, telemetry = train(engine, p.model, p.optimizer, scheduler, precision, p.max_grad_norm,
                          Epochs(loader(rank, world)), STEPS)
     weights = engine.full_weights(p.model)
     export = Path(out) / "fsdp.safetensors"
@@ -219,21 +221,21 @@ def fp16_overflow_on_one_rank(rank: int) -> dict:
     from looplib.engines.fsdp import FSDP
     from looplib.loop import clip_grad_norm
     from looplib.precision import FP16
-    engine, precision = FSDP("cpu"), FP16(init_scale=2.0**10)
-    precision.setup("cpu")
+    engine = FSDP("cpu")
+    precision = engine.precision_for(FP16(init_scale=2.0**10))  # the sharded scaler, chosen at assembly
     engine.check(settings(2), precision, None)
     model = engine.setup(tiny_gpt())
-    p = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, settings(2))
+    p = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), settings(2))
     batch = random_tokens(2)[rank]
     before = [t.detach().to_local().clone() for t in model.parameters()]
-    with p.precision.autocast():
+    with precision.autocast():
         loss = TokenCrossEntropy()(p.model, {k: v[None] for k, v in batch.items()})
-    p.precision.backward(loss)
+    precision.backward(loss)
     if rank == 1:
         next(iter(model.parameters())).grad.to_local().fill_(float("inf"))
-    p.precision.unscale(p.optimizer)
+    precision.unscale(p.optimizer)
     norm = clip_grad_norm(list(p.model.parameters()), CLIP)
-    p.precision.step(p.optimizer, norm)
-    return {"scaler": type(p.precision.scaler).__name__, "scale": p.precision.scaler.get_scale(),
+    precision.step(p.optimizer, norm)
+    return {"scaler": type(precision.scaler).__name__, "scale": precision.scaler.get_scale(),
             "param_dtype": str(engine.mp_policy.param_dtype), "norm": float(norm),
             "unchanged": all(torch.equal(a, t.detach().to_local()) for a, t in zip(before, model.parameters()))}

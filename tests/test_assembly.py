@@ -1,5 +1,5 @@
-"""One assembly: the command line's path (train.build_job + run, what ``python -m looplib.train``
-runs after Hydra composes) and ``train_model`` build and run the same job, for every engine; and
+"""One assembly: the command line's path (``looplib.cli.main.job_parts`` through the front door,
+what ``python -m looplib.train`` runs after Hydra composes) and ``train_model`` build and run the same job, for every engine; and
 ``train_model`` has the CLI's run directory, checkpoints, resume and signal handling."""
 import json
 import os
@@ -46,8 +46,11 @@ def same_run(cli, api, ranks=(0,)):
 def test_local_engine_cli_path_equals_train_model(tmp_path):
     assembly_worker.main(tmp_path, ["local"])
     same_run(tmp_path / "local" / "cli", tmp_path / "local" / "api")
-    saved = json.loads((tmp_path / "local" / "api" / "config.yaml").read_text())
-    assert saved["max_steps"] == 4 and saved["optim"]["_target_"] == "looplib.optim.AdamW"
+    from looplib.run.checkpoint_dir import read_config
+    saved, cli = (read_config(tmp_path / "local" / way / "config.yaml") for way in ("api", "cli"))
+    assert saved["max_steps"] == cli["max_steps"] == 4
+    assert saved["optim"]["_target_"] == cli["optim"]["_target_"] == "looplib.optim.AdamW"
+    assert saved["engine"] == {"_target_": "looplib.engines.local.Engine"}  # nothing per process: no rank, no device
 
 
 @pytest.mark.slow

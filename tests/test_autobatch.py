@@ -7,9 +7,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from looplib.autobatch import candidates, find_micro_batch
+from looplib.run.autobatch import candidates, find_micro_batch
 from looplib.errors import ConfigError
-from looplib.train import build_job
+from looplib.cli.main import build_job
 
 from conftest import REPO, run_cli
 
@@ -91,7 +91,7 @@ def test_cli_errors(args, message, tmp_path):
 
 
 def test_settings_error_in_process():
-    from looplib.build import check_settings
+    from looplib.cli.instantiate import check_settings
     with pytest.raises(ConfigError) as err:
         check_settings(compose_with("batch_size=auto"))
     assert err.value.key == "global_batch_size"

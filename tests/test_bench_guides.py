@@ -138,7 +138,8 @@ def test_every_benchmark_row_composes_and_its_strategies_build():
     BERT-large would cost seconds). GPU-only options may only be refused for want of a GPU."""
     from hydra import compose, initialize_config_module
 
-    from looplib.build import STRATEGY_DEFAULTS, check_settings, fill_strategy_defaults, instantiate
+    from looplib.cli.instantiate import check_settings, fill_strategy_defaults, instantiate
+    from looplib.groups import appended_defaults
     from looplib.errors import ConfigError
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_guides
@@ -153,7 +154,7 @@ def test_every_benchmark_row_composes_and_its_strategies_build():
                 cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
                 check_settings(cfg)
                 fill_strategy_defaults(cfg)
-                for group in (*STRATEGY_DEFAULTS, "loss"):
+                for group in (*appended_defaults(), "loss"):
                     if group == "engine" and "deepspeed" in cfg.engine._target_:
                         continue  # DeepSpeed's engine needs a launcher's environment
                     if group == "optim" and "Adam8bit" in cfg.optim._target_ and not has_bnb():

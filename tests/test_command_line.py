@@ -34,7 +34,7 @@ def test_both_spellings_of_a_group_make_the_same_config():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from looplib.cli import normalise
+    from looplib.cli.args import normalise
     configs = []
     for spelled in (["precision=bf16", "+model=tiny"], ["+precision=bf16", "model=tiny"]):
         with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
@@ -65,7 +65,7 @@ def refused_here(args: list[str], capsys) -> str:
     """``python -m looplib.train ARGS`` in this process, for arguments refused before a job starts:
     exit status 2 and the one line on stderr (returned)."""
     from looplib import cli
-    from looplib.train import main
+    from looplib.cli.main import main
     with pytest.raises(SystemExit) as stop:
         cli.run(main, args)
     assert stop.value.code == 2
@@ -109,7 +109,7 @@ def test_hydra_full_error_still_shows_hydras_report(tmp_path, monkeypatch, capsy
     from hydra.errors import MissingConfigException
 
     from looplib import cli
-    from looplib.train import main
+    from looplib.cli.main import main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(MissingConfigException, match="Could not find 'optim/adam'"):  # Hydra's own, with its traceback
@@ -202,7 +202,7 @@ def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warni
     import torch
 
     from looplib.errors import ConfigError
-    from looplib.state import load_state
+    from looplib.run.checkpoint_dir import load_state
     path = tmp_path / "state.pt"
     torch.save({"step": torch.tensor(3)}, path, pickle_protocol=4)
     with warnings.catch_warnings(record=True) as seen, pytest.raises(ConfigError, match="resume: .*state.pt"):
@@ -212,7 +212,7 @@ def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warni
 
 
 def test_normalise_adds_or_drops_only_the_plus_of_a_group():
-    from looplib.cli import normalise
+    from looplib.cli.args import normalise
     typed = ["-m", "precision=fp32,bf16", "+model=tiny", "optim=choice(adamw,sgd)", "+engine=ddp", "lr=range(1,3)",
              "++max_steps=3", "~loss", "+model.n_layer=2", "schedule=[cosine]", "--config-dir", "precision=x",
              "hydra.run.dir=x", "data=random", "max_steps=1"]

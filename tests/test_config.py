@@ -6,7 +6,8 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import _locate
 
-from looplib.build import STRATEGY_DEFAULTS, check_settings, fill_strategy_defaults, instantiate
+from looplib import groups
+from looplib.cli.instantiate import build_loggers, check_settings, fill_strategy_defaults, instantiate
 from looplib.errors import ConfigError
 
 from conftest import REPO, has_bitsandbytes
@@ -14,7 +15,7 @@ from conftest import REPO, has_bitsandbytes
 CONF = REPO / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "__pycache__")
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
-IN_DEFAULTS = {"model", "data", "loss"}
+IN_DEFAULTS = {g.name for g in groups.GROUPS if not g.appended}
 NEEDS_CUDA = {("precision", "fp8"), ("loss", "lm_liger")}
 
 
@@ -43,8 +44,7 @@ def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, 
     fill_strategy_defaults(cfg)
     if group == "logger":  # each option sits under its own name (logger.<option>), so several can be chosen
         pytest.importorskip(option)
-        from looplib import loggers
-        [obj] = loggers.build(cfg).loggers
+        [obj] = build_loggers(cfg).loggers
         assert type(obj) is _locate(cfg.logger[option]._target_)
         return
     obj = instantiate(cfg, group)
@@ -63,12 +63,25 @@ def test_every_yaml_opens_with_the_command_that_uses_it():
 
 def test_strategy_groups_stay_out_of_the_defaults_list():
     cfg = compose_with()
-    for group in STRATEGY_DEFAULTS:
+    for group in groups.appended_defaults():
         assert group not in cfg, f"{group} in the defaults list would break +{group}=..."
     fill_strategy_defaults(cfg)
     assert cfg.precision._target_ == "looplib.precision.FP32"
     assert cfg.optim._target_ == "looplib.optim.AdamW" and cfg.optim.lr == cfg.lr
     assert cfg.schedule._target_ == "looplib.schedule.Constant"
+
+
+def test_the_table_of_groups_is_conf_and_its_defaults_list():
+    """looplib.groups lists every folder of conf/ (hydra/ aside), the job groups are conf/config.yaml's
+    defaults list with their default option, and every default option is a file of its group."""
+    import yaml
+    assert sorted(g.name for g in groups.GROUPS) == [g for g in GROUPS if g != "hydra"]
+    listed = {k: v for entry in yaml.safe_load((CONF / "config.yaml").read_text())["defaults"] if isinstance(entry, dict)
+              for k, v in entry.items() if not k.startswith("override")}
+    assert listed == {g.name: g.option for g in groups.GROUPS if not g.appended}
+    for g in groups.GROUPS:
+        assert g.option is None or (CONF / g.name / f"{g.option}.yaml").is_file(), g
+        assert (g.option is None) == (g.stage == "trackers"), g  # the trackers' group alone has no default file
 
 
 def test_every_conf_folder_is_packaged():

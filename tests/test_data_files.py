@@ -21,8 +21,9 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.loss import TokenCrossEntropy
 from looplib.precision import FP32
-from looplib.checkpoint_files import find_checkpoint
-from looplib.checkpoints import Checkpoints
+from looplib.run.checkpoint_dir import find_checkpoint
+from looplib.run import resume
+from looplib.run.saving import Checkpoints
 from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
@@ -335,7 +336,7 @@ def test_resume_mid_epoch_on_file_data_is_bitwise_exact(tmp_path, tok_file, tok)
         epochs = Epochs(build_loader(corpus.train, batch_size=4, seed=5, collate_fn=corpus.collate))
         rows, telemetry = [], Telemetry(enabled=False, log_every=1)
         telemetry.write = rows.append
-        ckpt = Checkpoints(root, every_steps=3, keep=2, max_bad_steps=0, config_yaml="a: 1\n")
+        ckpt = Checkpoints(root, every_steps=3, keep=2, max_bad_steps=0, config={"a": 1})
         scheduler, precision = lo.WarmupCosine(warmup_steps=2).build(optimizer, 7), FP32()
         ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, precision=precision, epochs=epochs)
         kw = dict(objective=TokenCrossEntropy(), optimizer=optimizer, scheduler=scheduler, precision=precision,
@@ -349,7 +350,7 @@ def test_resume_mid_epoch_on_file_data_is_bitwise_exact(tmp_path, tok_file, tok)
     fit(model, epochs, max_steps=4, **kw)
     model, epochs, rows, ckpt, kw = session(tmp_path / "ck", 123)
     state = TrainState()
-    ckpt.load(find_checkpoint(tmp_path / "ck"), state)
+    resume.load(ckpt, find_checkpoint(tmp_path / "ck"), state)
     assert state.step == 3 and state.batches_seen == 6
     fit(model, epochs, max_steps=7, state=state, **kw)
     losses = lambda rs: {r["step"]: r["loss"] for r in rs if "loss" in r}  # noqa: E731
@@ -469,7 +470,7 @@ def test_cli_text_run_and_bad_path(tmp_path):
 def test_vocab_size_follows_the_tokenizer(tok_file, tok):
     from hydra import compose, initialize_config_module
 
-    from looplib.resolvers import register_resolvers
+    from looplib.cli.resolvers import register_resolvers
     register_resolvers()  # as looplib.train does
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         given = compose(config_name="config", overrides=["data=instruct", f"data.tokenizer={tok_file}"])

@@ -22,7 +22,7 @@ from looplib.errors import ConfigError
 from looplib.evaluation import Evaluation, HalfWeights
 from looplib.optim import SGD, Adafactor, Adam8bit
 from looplib.precision import FP32
-from looplib.checkpoint_files import is_valid
+from looplib.run.checkpoint_dir import is_valid
 from test_engines_ddp import QUICK, WEIGHT_ATOL, rows, torchrun
 
 # As for DDP (tests/test_engines_ddp.py): two ranks sum their halves of each window in another

@@ -23,9 +23,11 @@ from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import FP32
-from looplib.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted, Signals
-from looplib.checkpoint_files import InvalidCheckpoint, find_checkpoint, is_valid
-from looplib.checkpoints import Checkpoints
+from looplib.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted
+from looplib.run.signals import Signals
+from looplib.run.checkpoint_dir import InvalidCheckpoint, find_checkpoint, is_valid
+from looplib.run import resume
+from looplib.run.saving import Checkpoints
 from looplib.train_state import TrainState
 
 from conftest import REPO, run_cli
@@ -147,7 +149,7 @@ def three_checkpoints(root: Path, d_model: int = 32) -> Checkpoints:
     optimizer = lo.AdamW(lr=1e-2).build(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     epochs = Epochs(build_loader(RandomTokens(16, 16, 64), batch_size=4, seed=0))
-    ckpt = Checkpoints(root, every_steps=1, keep=3, config_yaml="model: {d_model: %d}\n" % d_model)
+    ckpt = Checkpoints(root, every_steps=1, keep=3, config={"model": {"d_model": d_model}})
     ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, precision=FP32(), epochs=epochs)
     fit(model, epochs, objective=__import__("looplib").TokenCrossEntropy(), optimizer=optimizer,
         scheduler=scheduler, max_steps=3, checkpoints=ckpt)
@@ -161,7 +163,7 @@ def rewrite_manifest(path: Path, edit) -> None:
 
 def refresh(path: Path, name: str) -> None:
     """Make the manifest agree with a changed file (as a careless copy or an attacker would)."""
-    from looplib.checkpoint_files import sha256
+    from looplib.run.checkpoint_dir import sha256
 
     def edit(m):
         m["files"][name] = {"size": (path / name).stat().st_size, "sha256": sha256(path / name)}
@@ -202,10 +204,10 @@ def test_a_malformed_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path,
     problem = is_valid(newest, model)
     assert problem, fault
     with caplog.at_level("WARNING", logger="looplib"):
-        assert ckpt.find(tmp_path) == tmp_path / "step-00000002"  # resume=auto: the newest good one
+        assert resume.find(ckpt, tmp_path) == tmp_path / "step-00000002"  # resume=auto: the newest good one
     assert f"skipping checkpoint {newest}: {problem}" in caplog.text
     with pytest.raises(ConfigError, match="not a valid checkpoint") as err:  # resume=PATH: one line
-        ckpt.load(newest, TrainState())
+        resume.load(ckpt, newest, TrainState())
     assert "\n" not in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
 
@@ -287,7 +289,7 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
     import errno
 
-    from looplib.checkpoints import SaveError
+    from looplib.errors import SaveError
     ckpt = three_checkpoints(tmp_path)
     before = files(tmp_path)
 

@@ -57,7 +57,7 @@ def test_torchrun_without_an_engine_trains_ddp_and_two_nodes_match_one(tmp_path)
 def test_an_engine_of_one_process_is_refused_by_every_rank(monkeypatch, rank):
     from omegaconf import OmegaConf
 
-    from looplib.engines.launch import refuse_one_process_engine
+    from looplib.cli.instantiate import refuse_one_process_engine
     from looplib.errors import ConfigError
     for key, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(key, value)
@@ -107,14 +107,14 @@ LAUNCHERS = [  # the environment each launcher gives a process, and the name the
 def test_each_launcher_without_an_engine_gets_ddp(monkeypatch, caplog, env, who):
     from omegaconf import OmegaConf
 
-    from looplib.engines import launch
+    from looplib.cli import instantiate
     for key in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "LOCAL_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
-    assert launch.launcher_defaults(OmegaConf.create({})) == {}  # one process: the local engine stays
+    assert instantiate.launcher_defaults(OmegaConf.create({})) == {}  # one process: the local engine stays
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with caplog.at_level("INFO", logger="looplib"):
-        assert launch.launcher_defaults(OmegaConf.create({})) == {"engine": "ddp"}
+        assert instantiate.launcher_defaults(OmegaConf.create({})) == {"engine": "ddp"}
     assert f"{who} started {env.get('WORLD_SIZE', env.get('SLURM_NTASKS'))} processes" in caplog.text
     chosen = OmegaConf.create({"engine": {"_target_": "looplib.engines.FSDP"}})
-    assert launch.launcher_defaults(chosen) == {}  # an engine chosen: kept
+    assert instantiate.launcher_defaults(chosen) == {}  # an engine chosen: kept

@@ -218,9 +218,9 @@ def test_a_missing_tracker_is_refused_in_one_line(tmp_path):
 def test_several_options_and_your_own_compose_side_by_side():
     from hydra import compose, initialize_config_module
 
-    from looplib import loggers
+    from looplib.cli.instantiate import build_loggers
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+logger=[tensorboard,mlflow]",
                                                        "+logger.mine._target_=looplib.loggers.Logger"])
     assert list(cfg.logger) == ["tensorboard", "mlflow", "mine"]
-    assert [type(x).__name__ for x in loggers.build(cfg).loggers] == ["TensorBoard", "MLflow", "Logger"]
+    assert [type(x).__name__ for x in build_loggers(cfg).loggers] == ["TensorBoard", "MLflow", "Logger"]

@@ -54,7 +54,7 @@ def test_frozen_parameters_are_left_out():
 
 
 def test_every_registered_optimizer_builds_and_steps():
-    from looplib.build import instantiate
+    from looplib.cli.instantiate import instantiate
     from omegaconf import OmegaConf
     from importlib import resources
     assert {"adamw", "sgd", "adafactor", "adam8bit"} <= set(lo.list_optimizers())

@@ -242,7 +242,7 @@ def test_plan_against_the_allocator_peak_on_a_gpu(precision):
     allocator's peak of a real step (the relative error is printed: report it)."""
     cfg = compose_with("model=gpt2_small", "data=random", "batch_size=4", f"+precision={precision}")
     plan = build_plan(cfg.copy(), memory=torch.cuda.get_device_properties(0).total_memory)
-    from looplib.train import build_job
+    from looplib.cli.main import build_job
     job = build_job(cfg)
     opt = job.optim.build(job.model)
     batch = {"input_ids": torch.randint(0, 512, (4, 1024), device="cuda"),
@@ -286,7 +286,7 @@ def test_under_lora_gradients_and_optimizer_state_are_planned_for_the_adapter_on
     """+peft=lora: weights for the whole model, gradients and optimizer state for the parameters
     that train, equal to the adapted model's real ones after a step."""
     pytest.importorskip("peft", reason="peft is not installed (pip install 'looplib[peft]')")
-    from looplib.build import instantiate
+    from looplib.cli.instantiate import instantiate
     cfg = compose_with("model=tiny", "+peft=lora", "data=random")
     plan = build_plan(cfg, memory=2**30)
 

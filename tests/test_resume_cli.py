@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looplib.checkpoint_files import is_valid
-from looplib.signals import EXIT_PREEMPTED
+from looplib.run.checkpoint_dir import is_valid
+from looplib.errors import EXIT_PREEMPTED
 
 from conftest import REPO, run_cli
 

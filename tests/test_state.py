@@ -14,9 +14,11 @@ from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.loss import TokenCrossEntropy
-from looplib.checkpoint_files import find_checkpoint, is_valid
-from looplib.checkpoints import Checkpoints, NumericError
-from looplib.resume import check_resume_config
+from looplib.run.checkpoint_dir import find_checkpoint, is_valid
+from looplib.run import resume
+from looplib.errors import NumericError
+from looplib.run.saving import Checkpoints
+from looplib.run.resume import check_resume_config
 from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
@@ -63,7 +65,7 @@ def session(prec_name, opt_name, root, seed, every=0, objective=None, max_bad=0)
     rows = []
     telemetry = Telemetry(enabled=False, log_every=1)
     telemetry.write = rows.append
-    ckpt = Checkpoints(root, every_steps=every, keep=2, max_bad_steps=max_bad, config_yaml="a: 1\n")
+    ckpt = Checkpoints(root, every_steps=every, keep=2, max_bad_steps=max_bad, config={"a": 1})
     ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, precision=precision, epochs=epochs)
     kwargs = dict(objective=objective or TokenCrossEntropy(), optimizer=optimizer, scheduler=scheduler,
                   precision=precision, accumulation=Accumulation(ACCUM), telemetry=telemetry, checkpoints=ckpt,
@@ -96,7 +98,7 @@ def test_resume_continues_exactly(prec_name, opt_name, where, tmp_path):
     state = TrainState()
     path = find_checkpoint(tmp_path)
     assert path.name == f"step-{saved_at:08d}"
-    ckpt.load(path, state)
+    resume.load(ckpt, path, state)
     assert state.step == saved_at
     fit(model, epochs, max_steps=STEPS, state=state, **kw)
     resumed = {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -150,12 +152,12 @@ def test_a_malicious_pickle_is_refused_not_executed(tmp_path):
 
     (path / "state.pt").write_bytes(pickle.dumps({"optimizer": Evil()}))
     manifest = json.loads((path / "manifest.json").read_text())  # an attacker fixes the manifest too
-    from looplib.checkpoint_files import sha256
+    from looplib.run.checkpoint_dir import sha256
     manifest["files"]["state.pt"] = {"size": (path / "state.pt").stat().st_size, "sha256": sha256(path / "state.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert "not unpickled" in is_valid(path)  # an invalid checkpoint: resume=auto skips it
     with pytest.raises(ConfigError, match="not unpickled"):
-        ckpt.load(path, TrainState())
+        resume.load(ckpt, path, TrainState())
     assert not marker.exists()
 
 

@@ -48,38 +48,60 @@ def test_every_extra_named_for_an_optional_import_exists():
     assert [(name, extra) for name, extra in named if extra not in extras] == []
 
 
-# Floors, lowest first: a module may import from its own floor or any below, never from one above.
-# A module's floor is that of the longest name listed that is it or a package holding it.
-FLOORS = [
-    # foundations: no looplib imports but these
-    ["looplib.errors", "looplib.signals", "looplib.schema", "looplib.train_state", "looplib.accumulation"],
-    # strategies, data, models, and the checkpoint directory format
-    ["looplib.precision", "looplib.optim", "looplib.schedule", "looplib.checkpointing", "looplib.compile",
-     "looplib.objectives", "looplib.loss", "looplib.evaluation", "looplib.data", "looplib.models", "looplib.hf",
-     "looplib.checkpoint_files"],
-    # engines
-    ["looplib.engines"],
-    # the run: the loop, saving and resuming, telemetry and trackers, adapters saved through the
-    # engine, generation, and the config layer (building strategies from the config, resolvers, plan)
-    ["looplib.loop", "looplib.checkpoints", "looplib.resume", "looplib.state", "looplib.telemetry",
-     "looplib.loggers", "looplib.plots", "looplib.adapters", "looplib.peft", "looplib.generate", "looplib.build",
-     "looplib.settings", "looplib.resolvers", "looplib.plan"],
-    # one assembly of a run, and what builds on it
-    ["looplib.assemble", "looplib.autobatch"],
-    # the ways in: command lines, the Python API, tools
-    ["looplib", "looplib.train", "looplib.api", "looplib.tune", "looplib.cli", "looplib.rundir", "looplib.rundir_guard", "looplib.sweep", "looplib.report", "looplib.report_study",
-     "looplib.make_tiny_model"],
-]
+# Floors, from the package layout: the top wing (the loop, one module per config group, and the
+# packages data, models, hf, engines, loggers, plan, tune) is floor 0; looplib.run (a run's life
+# without Hydra) floor 1; looplib.cli (the command line) and looplib.report floor 2; the doors
+# (the package itself, ``__main__`` modules and modules run with ``python -m``) floor 3. A module
+# may import from its own floor or any below, never from one above; and no module, on any floor,
+# is part of an import circle.
+WINGS = {"looplib.run": 1, "looplib.cli": 2, "looplib.report": 2}
+DOOR = 3
 
 
-def floor_of(name: str) -> int | None:
-    best = None
-    for i, floor in enumerate(FLOORS):
-        for prefix in floor:
-            if (name == prefix or name.startswith(prefix + ".") and prefix != "looplib") and \
-                    (best is None or len(prefix) > len(best[1])):
-                best = (i, prefix)
-    return best[0] if best else None
+def is_door(name: str, path: Path) -> bool:
+    """The package, a ``__main__`` module, or a module with an ``if __name__ == "__main__":`` block."""
+    if name == "looplib" or name.endswith(".__main__"):
+        return True
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in ast.parse(path.read_text()).body)
+
+
+def floor_of(name: str, path: Path) -> int:
+    if is_door(name, path):
+        return DOOR
+    return next((floor for wing, floor in WINGS.items() if name == wing or name.startswith(wing + ".")), 0)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle (a strongly connected set of two or more modules, or one importing itself)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph.get(v, ()):
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
 
 
 def type_checking_only(tree: ast.Module) -> set[int]:
@@ -117,14 +139,41 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return out
 
 
-def test_no_module_imports_one_from_a_floor_above():
+def graph() -> tuple[dict[str, Path], dict[str, set[str]]]:
     known = modules()
-    unplaced = sorted(name for name in known if floor_of(name) is None)
-    assert unplaced == [], "give each module a floor in FLOORS"
-    upward = [f"{name} (floor {floor_of(name)}) imports {target} (floor {floor_of(target)})"
-              for name, path in known.items() for target in sorted(imports_of(name, path, known))
-              if floor_of(target) > floor_of(name)]
+    return known, {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def test_no_module_imports_one_from_a_floor_above():
+    known, arrows = graph()
+    upward = [f"{name} (floor {floor_of(name, known[name])}) imports {target} (floor {floor_of(target, known[target])})"
+              for name, targets in arrows.items() for target in sorted(targets)
+              if floor_of(target, known[target]) > floor_of(name, known[name])]
     assert upward == []
+
+
+def test_no_import_circle_anywhere():
+    _, arrows = graph()
+    assert [" -> ".join(c) for c in circles(arrows)] == []
+
+
+def test_the_circle_finder_names_the_modules_of_a_circle():
+    found = circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}})
+    assert found == [["a", "b", "c"], ["e"]]
+
+
+def test_only_the_command_line_imports_hydra_or_omegaconf():
+    """Below looplib.cli (the top wing, looplib.run, looplib.report) nothing imports Hydra or OmegaConf,
+    at the top of a module or inside a function."""
+    offenders = []
+    for name, path in modules().items():
+        if name == "looplib.cli" or name.startswith("looplib.cli."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{name} imports {n}" for n in names if n.split(".")[0] in ("hydra", "omegaconf")]
+    assert offenders == []
 
 
 def test_the_import_walk_sees_relative_imports_inside_functions(tmp_path):

@@ -81,10 +81,11 @@ def test_plan_pruning_out_of_memory_and_divergence_never_end_the_search(tmp_path
     """One search: a memory limit between the plans of micro-batch 16 and 8 prunes 16 (the job as
     given) with its plan in the reason; 8 runs out of (fake CUDA) memory, 4 gives a NaN loss; the
     search goes on and chooses neither."""
-    from looplib.tune.__main__ import compose, planner
-    from looplib.tune.settings import pinned, split
+    from looplib.cli.tune import compose, planner
+    from looplib.cli.tune import split
+    from looplib.tune.settings import pinned
     from looplib.tune.space import Candidate, build_space
-    from looplib.build import check_config
+    from looplib.cli.instantiate import check_config
     import torch
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     model = ["model._target_=fake_oom.GPTThatDiverges", "+model.oom_above=4", "+model.nan_at=4"]
@@ -127,7 +128,7 @@ def test_on_a_gpu_the_chosen_ones_measured_peak_fits(tmp_path):
     (["max_step=3"], "max_step"),
 ])
 def test_bad_settings_are_one_line(tmp_path, capsys, args, message):
-    from looplib.tune.__main__ import main
+    from looplib.cli.tune import main
     assert main([*TINY, *args, f"hydra.run.dir={tmp_path / 't'}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("looplib: error: ") and message in lines[0], lines
@@ -135,7 +136,7 @@ def test_bad_settings_are_one_line(tmp_path, capsys, args, message):
 
 
 def test_help_prints_the_usage_and_every_tune_key(capsys):
-    from looplib.tune.__main__ import main
+    from looplib.cli.tune import main
     from looplib.tune.settings import Tune
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

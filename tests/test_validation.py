@@ -9,8 +9,11 @@ from hydra.utils import _locate
 from omegaconf import OmegaConf, open_dict
 
 from looplib import optim as lo
-from looplib.assemble import check_sequences_fit
-from looplib.build import Settings, blame, check_config, instantiate
+from looplib.run.assembly import check_sequences_fit
+from looplib.cli.instantiate import check_config, instantiate
+from looplib.run.assembly import Record
+from looplib.run.assembly import refused as refused_while_building
+from looplib.run.settings import Settings
 from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
 from looplib.plan import main as plan_main
@@ -169,7 +172,7 @@ def test_a_librarys_own_error_names_the_group():
         def create(self, groups):
             return torch.optim.AdamW(groups, lr=self.lr, betas=(2.0, 3.0))
 
-    with pytest.raises(ConfigError) as err, blame("optim"):
+    with pytest.raises(ConfigError) as err, refused_while_building("optim", Record({})):
         Unchecked(lr=1e-3).build(tiny_gpt())
     assert err.value.key == "optim" and "Invalid beta parameter" in str(err.value)
 

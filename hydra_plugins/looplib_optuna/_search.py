@@ -28,7 +28,7 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Overrid
 from hydra.core.utils import JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from looplib import rundir
+from looplib.run import rundir
 from looplib.errors import EXIT_CONFIG, ConfigError
 
 log = logging.getLogger("looplib")
@@ -94,8 +94,8 @@ class Search:
                  n_trials, n_jobs, pruner, pruner_args, params, max_failure_rate=1.0):
         if int(optuna.__version__.split(".")[0]) < 4:
             raise ImportError(f"Optuna {optuna.__version__} is installed")
-        from looplib.settings import Sweep
-        from looplib.sweep import pruner as make_pruner
+        from looplib.run.settings import Sweep
+        from looplib.cli.sweep import pruner as make_pruner
         self.config = config
         task = OmegaConf.to_container(config.get("sweep") or {}, resolve=True)
         try:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from ..atomic import write_atomic
 from ..errors import ConfigError
 from ..schema import NonNegative, Positive, Seed
 from .files import EvalFraction, FileCorpus
@@ -155,9 +155,7 @@ class ClassificationCorpus(FileCorpus):
 
     def save(self, run_dir):
         labels = {"id2label": dict(enumerate(self.label_names)), "label2id": {n: i for i, n in enumerate(self.label_names)}}
-        tmp = Path(run_dir) / "labels.json.tmp"
-        tmp.write_text(json.dumps(labels, indent=1) + "\n")
-        os.replace(tmp, Path(run_dir) / "labels.json")
+        write_atomic(Path(run_dir) / "labels.json", json.dumps(labels, indent=1) + "\n")
 
 
 def is_whole(value) -> bool:

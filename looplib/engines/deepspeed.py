@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import ConfigError, need
@@ -111,11 +110,11 @@ class DeepSpeed(Distributed):
                  timeout_s: Positive[float] = 1800):
         super().__init__(device, timeout_s)
         self.stage, self.offload_optimizer, self.offload_params = stage, offload_optimizer, offload_params
-        if isinstance(config, DictConfig):  # Hydra passes nested config as DictConfig
-            config = OmegaConf.to_container(config, resolve=True)
         self.nvme_path, self.raw = nvme_path, dict(config or {})
         self._check_own_keys()
         self.ds = None            # the DeepSpeedEngine, once prepared
+        self.steps = None         # the optimizer as the loop sees it (StepHooks), once prepared
+        self.chosen = None        # the loop's precision on this engine (DeepSpeedPrecision), from precision_for
         self.derived: dict = {}
 
     # ---------------------------------------------------------------- build-time checks
@@ -235,16 +234,25 @@ class DeepSpeed(Distributed):
         launch.start(self)
         return model.to(self.device)  # so the optimizer is built on device tensors (fused kernels)
 
-    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
+    def precision_for(self, precision):
+        """DeepSpeed scales, unscales, clips and steps: the loop's precision hands its verbs to the
+        ``DeepSpeedEngine`` (``prepare`` makes it), from the chosen one's dtype and scaler settings."""
+        if not isinstance(precision, DeepSpeedPrecision):
+            self.chosen = DeepSpeedPrecision(self, super().precision_for(precision))
+        return self.chosen
+
+    def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
         deepspeed = import_deepspeed()
-        if not self.derived:  # used without train.py's build-time check
-            self.check(settings, precision, None)
+        if self.chosen is None:  # used without the assembly: fp32
+            self.precision_for(Precision())
+        if not self.derived:  # used without the assembly's build-time check
+            self.check(settings, self.chosen, None)
             self._check_optimizer(class_name(type(optimizer)))
-        config = self.derive(settings, precision, self.world_size)
+        config = self.derive(settings, self.chosen, self.world_size)
         log.info("DeepSpeed config derived from looplib's settings:\n%s", json.dumps(config, indent=2))
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        steps = StepHooks(optimizer)
-        return Prepared(self.ds, steps, DeepSpeedPrecision(self.ds, steps, precision), None)
+        self.steps = StepHooks(optimizer)
+        return Prepared(self.ds, self.steps, None)
 
     def accumulating(self, model, last: bool):
         # ZeRO 0/1 reduce in step(); ZeRO 2/3 reduce-scatter each micro-batch's gradients into
@@ -285,26 +293,52 @@ class DeepSpeed(Distributed):
 
 
 class DeepSpeedPrecision(Precision):
-    """The precision the loop sees under DeepSpeed: DeepSpeed scales, unscales, clips and steps.
+    """The precision the loop sees under DeepSpeed (chosen at assembly by ``DeepSpeed.precision_for``):
+    DeepSpeed scales, unscales, clips and steps, with the dtype and loss-scale settings of the
+    precision the job chose (``chosen``), which DeepSpeed's config is derived from.
 
     The model is already in DeepSpeed's 16-bit format (bf16/fp16 sections), so no autocast;
-    the loss arrives divided by the window's items and is not divided again."""
+    the loss arrives divided by the window's items and is not divided again. Before ``prepare``
+    (``batch_size=auto``'s probe of the plain model) every verb is the chosen precision's."""
 
-    def __init__(self, ds, steps: StepHooks, chosen: Precision):
-        self.ds, self.steps = ds, steps
+    def __init__(self, engine: "DeepSpeed", chosen: Precision):
+        self.engine, self.chosen = engine, chosen
         self.name = f"{getattr(chosen, 'name', 'custom')} (DeepSpeed)"
-        self.device = getattr(chosen, "device", None)
+        self.dtype, self.device = chosen.dtype, getattr(chosen, "device", None)
+        self.scaler_args = dict(getattr(chosen, "scaler_args", {}))
+
+    def setup(self, device) -> None:
+        pass  # the chosen precision was set up by precision_for
+
+    def close(self) -> None:
+        self.chosen.close()
 
     def autocast(self):
-        return nullcontext()
+        return nullcontext() if self.engine.ds is not None else self.chosen.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
+        if self.engine.ds is None:
+            return self.chosen.backward(loss)
+        self.engine.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
 
-    def step(self, optimizer, grad_norm=None) -> None:
-        self.ds.step()                               # reduce, unscale, clip, update, zero
-        if self.ds.was_step_applied():               # an fp16 overflow skips the update
-            self.steps.stepped()
+    def unscale(self, optimizer) -> None:
+        if self.engine.ds is None:
+            self.chosen.unscale(optimizer)
+
+    def step(self, optimizer, grad_norm=None):
+        if self.engine.ds is None:
+            return self.chosen.step(optimizer, grad_norm)
+        self.engine.ds.step()                        # reduce, unscale, clip, update, zero
+        if self.engine.ds.was_step_applied():        # an fp16 overflow skips the update
+            self.engine.steps.stepped()
+        return None
+
+    def state_dict(self) -> dict:
+        return self.chosen.state_dict() if self.engine.ds is None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.engine.ds is None:
+            self.chosen.load_state_dict(state)
 
 
 class StepHooks:

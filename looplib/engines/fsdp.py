@@ -171,14 +171,18 @@ class FSDP(Distributed):
                  "; shards offloaded to the CPU" if self.offload == "cpu" else "")
         return model
 
-    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
-        if precision.scaler is not None:  # fp16: inf/NaN agreed across ranks
+    def precision_for(self, precision):
+        if hasattr(precision, "scaler_class"):  # fp16: inf/NaN agreed across ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-            precision.scaler = ShardedGradScaler(self.device.type, **precision.scaler_args)
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+            precision.scaler_class = ShardedGradScaler
+        self.precision = super().precision_for(precision)
+        return self.precision
+
+    def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
+        self.model, self.optimizer = model, optimizer
         self.geometry = {"world_size": self.world_size, "batch_size": settings.batch_size,
                          "accum_steps": settings.accum_steps}
-        return Prepared(model, optimizer, precision, settings.max_grad_norm)
+        return Prepared(model, optimizer, settings.max_grad_norm)
 
     def accumulating(self, model: nn.Module, last: bool):
         model.set_requires_gradient_sync(last)  # every unit: reduce-scatter on the window's last only
@@ -227,14 +231,14 @@ class FSDP(Distributed):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from ..checkpoint_files import load_state
         path = Path(directory) / (tag or "latest")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         loaded = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(loaded, checkpoint_id=str(path / "shards"))
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
-        client = load_state(path / "client.pt")
+        # checked with the whole checkpoint (its manifest's checksums) before any of it is loaded
+        client = torch.load(path / "client.pt", map_location="cpu", weights_only=True)
         self.precision.load_state_dict(client.pop("precision"))
         saved = json.loads((path / "fsdp.json").read_text())
         position = client["position"]

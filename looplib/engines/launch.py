@@ -48,40 +48,6 @@ def launched_world() -> tuple[int, str]:
     return 1, ""
 
 
-def launcher_defaults(cfg) -> dict:
-    """Strategy defaults the launcher decides: several processes and no engine chosen -> DDP
-    (one run whose gradients are averaged, not N copies of the same job). Said in a log line."""
-    world, who = launched_world()
-    node = cfg.get("engine")
-    if world <= 1 or (node is not None and "_target_" in node):
-        return {}
-    if launched_rank() == 0:
-        logging.getLogger("looplib").info(
-            "%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
-            "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
-    return {"engine": "ddp"}
-
-
-def refuse_one_process_engine(cfg) -> None:
-    """An engine that runs in one process only (its class's ``several_processes`` is False:
-    ``+engine=local``), started by a launcher as one of several: every rank refuses
-    (``ConfigError``) before it builds anything or trains a copy of the job of its own."""
-    world, who = launched_world()
-    target = cfg.get("engine", {}).get("_target_") if world > 1 else None
-    if target is None:
-        return
-    try:
-        from hydra.utils import get_class
-        engine = get_class(str(target))
-    except Exception:  # noqa: BLE001 - a misspelt _target_: the group's own check names it
-        return
-    if not getattr(engine, "several_processes", False):
-        engine_name = "Local" if engine.__name__ == "Engine" else engine.__name__
-        raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
-                          "(each would train its own copy of the job)",
-                          "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")
-
-
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra's parser refuses;
     it sets LOCAL_RANK in the environment too, which is what looplib reads."""
@@ -159,7 +125,6 @@ def destroy_process_group() -> None:
 
 # ----------------------------------------------------------------- a rank lost during the run
 
-EXIT_LOST_RANK = 1  # a crash, elsewhere: another rank's process ended (killed, out of memory, a node lost)
 COLLECTIVE_FAILED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
                      "NCCL communicator was aborted", "ProcessGroupGloo", "gloo/transport")
 

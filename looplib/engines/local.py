@@ -1,10 +1,10 @@
 """The local engine: one process, one device. The base class of every engine.
 
-The loop calls ``to_device``, ``accumulating`` and ``global_items``; ``train.py`` calls the
-rest around it: ``check`` (build time), ``setup`` (the model), ``prepare`` (the optimizer and
-precision, once built), ``shared_run_dir``, ``mean_across_ranks`` (for logged losses),
-``export_weights`` and ``close``. Every engine answers them all, so no caller branches on
-which engine it has.
+The loop calls ``to_device``, ``accumulating`` and ``global_items``; the assembly
+(``looplib.run``) calls the rest around it: ``precision_for`` and ``check`` (build time),
+``setup`` (the model), ``prepare`` (the optimizer, once built), ``shared_run_dir``,
+``mean_across_ranks`` (for logged losses), ``export_weights`` and ``close``. Every engine answers
+them all, so no caller branches on which engine it has.
 """
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Prepared(NamedTuple):
-    """What the loop trains with, after the engine has taken the model, optimizer and precision."""
+    """What the loop trains with, after the engine has taken the model and the optimizer."""
     model: nn.Module
     optimizer: Any
-    precision: Any
     max_grad_norm: float | None   # None where the engine clips itself
 
 
@@ -49,9 +48,17 @@ class Engine:
     # (``save_checkpoint`` / ``load_checkpoint``: FSDP's and DeepSpeed's sharded formats)
     own_checkpoints = False
     several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
+    per_process = ("rank", "world_size", "device")  # differ from rank to rank: never part of the saved config
 
     def __init__(self, device: str | torch.device = "auto"):
         self.device = resolve_device(str(device))
+
+    def precision_for(self, precision):
+        """The precision the loop uses on this engine, chosen once at assembly and set up on the
+        engine's device (FSDP: a loss scaler whose inf/NaN check is agreed across ranks;
+        DeepSpeed: DeepSpeed's own scaling and step). Nothing replaces it later."""
+        precision.setup(self.device)
+        return precision
 
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
@@ -59,9 +66,9 @@ class Engine:
     def check_evaluation(self, evaluation) -> None:
         """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
 
-    def prepare(self, model: nn.Module, optimizer, precision, settings) -> Prepared:
-        """Hand the built optimizer and precision to the engine; the loop uses what comes back."""
-        return Prepared(model, optimizer, precision, settings.max_grad_norm)
+    def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
+        """Hand the built optimizer to the engine; the loop uses what comes back."""
+        return Prepared(model, optimizer, settings.max_grad_norm)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper the engine put around it."""

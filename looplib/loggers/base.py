@@ -82,38 +82,3 @@ def logged_steps(metrics: Path) -> dict[str, int]:
                 for key in row:
                     last[key] = max(last.get(key, 0), row.get("step", 0))
     return last
-
-
-def describe(cfg, run_dir: Path, resumed_from: int, logged: dict[str, int]) -> Run:
-    """The ``Run`` a logger starts with, from the config and Hydra's runtime (a sweep's jobs
-    share ``group``: their multirun directory)."""
-    from omegaconf import OmegaConf
-    config = OmegaConf.to_container(cfg, resolve=True)
-    name, group = run_dir.name, None
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-        hc = HydraConfig.get()
-        overrides = " ".join(hc.overrides.task)
-        if hc.mode == RunMode.MULTIRUN:
-            group = str(hc.sweep.dir)
-            name = f"{hc.job.num}: {overrides}" if overrides else str(hc.job.num)
-        elif overrides:
-            name = overrides
-    except ValueError:  # not under Hydra
-        pass
-    return Run(run_dir, config, name, group, resumed_from, logged if resumed_from else {})
-
-
-def artefacts(run_dir: Path) -> dict[str, str]:
-    """What the run left for people to use, by name, where it exists."""
-    out = {}
-    for name, rel in (("model", "model.safetensors"), ("adapter", "adapter"), ("hf", "hf"),
-                      ("config", "config.yaml"), ("metrics", "metrics.jsonl")):
-        if (run_dir / rel).exists():
-            out[name] = str(run_dir / rel)
-    from ..checkpoint_files import step_dirs
-    newest = step_dirs(run_dir / "checkpoints")  # newest first; the run just wrote it (no re-hash)
-    if newest:
-        out["checkpoint"] = str(newest[0])
-    return out

@@ -3,9 +3,9 @@ for resumed runs, the rows an earlier attempt already sent left out, the config 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from ..atomic import write_atomic
 from ..errors import need
 from .base import Logger, Run
 
@@ -42,9 +42,7 @@ class Tracker(Logger):
         path = self.run.dir / IDS
         ids = json.loads(path.read_text()) if path.exists() else {}
         ids[self.name] = run_id
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(ids, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(ids, indent=1) + "\n")
 
     def fresh(self, row: dict) -> dict:
         """The row's numbers the tracker does not have yet (``step`` left out)."""

@@ -16,8 +16,9 @@ then compares with the device's memory and recommends what to change, in the gui
 The model is built on the meta device, so a model larger than the machine can be planned.
 
 One module per concern: ``static`` (byte rules), ``activations`` (the meta-device
-measurement), ``sharding`` (ZeRO/FSDP arithmetic), ``budget`` (``Plan``, ``build_plan``),
-``advice`` (recommendations), ``render`` and ``cli``. Every name stays importable from
+measurement), ``sharding`` (ZeRO/FSDP arithmetic), ``budget`` (``Plan``, ``plan_job``),
+``advice`` (recommendations) and ``render``; the command line (a config -> ``build_plan``, and
+``python -m looplib.plan``) is ``looplib.cli.plan``. Every name here stays importable from
 ``looplib.plan``.
 """
 from __future__ import annotations
@@ -26,8 +27,7 @@ from ..checkpointing import ActivationCheckpointing, Checkpointing
 from .activations import (Activations, FusedAttention, MetaAutocast, Saved, activation_estimates, default_checkpointing,
                           measure_saved, meta_batch)
 from .advice import engine_choice, human, largest_micro_batch, recommendations
-from .budget import USABLE, Plan, build_plan, device_memory
-from .cli import OneLineParser, main
+from .budget import USABLE, Plan, device_memory, plan_job
 from .render import render, row
 from .sharding import fsdp_per_rank, fsdp_units, zero_per_rank
 from .static import (BNB_BLOCK, BNB_QMAP, MATMUL_MODULES, adam8bit_rule, autocast_copy_bytes, gradient_bytes, nbytes,
@@ -35,9 +35,15 @@ from .static import (BNB_BLOCK, BNB_QMAP, MATMUL_MODULES, adam8bit_rule, autocas
                      weight_bytes)
 
 __all__ = ["BNB_BLOCK", "BNB_QMAP", "MATMUL_MODULES", "USABLE", "ActivationCheckpointing", "Activations",
-           "Checkpointing", "FusedAttention", "MetaAutocast", "OneLineParser", "Plan", "Saved", "activation_estimates",
-           "adam8bit_rule", "autocast_copy_bytes", "build_plan", "default_checkpointing", "device_memory",
-           "engine_choice", "fsdp_per_rank", "fsdp_units", "gradient_bytes", "human", "largest_micro_batch", "main",
-           "measure_saved", "meta_batch", "nbytes", "optimizer_state_bytes", "optimizer_state_bytes_of",
+           "Checkpointing", "FusedAttention", "MetaAutocast", "Plan", "Saved", "activation_estimates",
+           "adam8bit_rule", "autocast_copy_bytes", "default_checkpointing", "device_memory",
+           "engine_choice", "fsdp_per_rank", "fsdp_units", "gradient_bytes", "human", "largest_micro_batch",
+           "measure_saved", "meta_batch", "nbytes", "plan_job", "optimizer_state_bytes", "optimizer_state_bytes_of",
            "recommendations", "render", "row", "state_rule", "state_tensor_bytes", "unique_params", "weight_bytes",
            "zero_per_rank"]
+
+
+def __getattr__(name: str):
+    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
+    from ..moved import attribute
+    return attribute(__name__, name)

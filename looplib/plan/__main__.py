@@ -1,5 +1,6 @@
+"""``python -m looplib.plan``: the planner's command line (``looplib.cli.plan``)."""
 import sys
 
-from .cli import main
+from looplib.cli.plan import main
 
 sys.exit(main())

@@ -1,11 +1,11 @@
-"""The plan of one job: what ``python -m looplib.train <overrides>`` would hold, from its config."""
+"""The plan of one job: what ``python -m looplib.train <overrides>`` would hold, from its parts
+(``looplib.cli.plan.build_plan`` builds them from a config)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
 from .. import optim as lo
 from ..checkpointing import ActivationCheckpointing
@@ -73,22 +73,18 @@ class Plan:
         return self.weights, self.gradients, self.optim_state
 
 
-def build_plan(cfg: DictConfig, world: int = 1, memory: int | None = None) -> Plan:
-    from ..build import check_config, instantiate
+def plan_job(settings, precision, factory, checkpointing, objective, peft, make_model, data_seq_len: int | None,
+             blocks: list[str] | None = None, world: int = 1, memory: int | None = None) -> Plan:
+    """The plan of a job from its parts (``make_model()`` is called on the meta device: no memory)."""
+    from ..engines.fsdp import BLOCKS
     from ..engines.local import resolve_device
 
-    settings = check_config(cfg)
-    precision = instantiate(cfg, "precision")
-    factory = instantiate(cfg, "optim")
-    checkpointing = instantiate(cfg, "checkpointing")
-    objective = instantiate(cfg, "loss")
-    peft = instantiate(cfg, "peft")  # LoRA: only the adapter's parameters train (gradients, optimizer state)
     with torch.device("meta"):
-        model = instantiate(cfg, "model")
+        model = make_model()
         model_name = type(model).__name__
-        model = peft.wrap(model)
+        model = peft.wrap(model)  # LoRA: only the adapter's parameters train (gradients, optimizer state)
     dtype = precision.dtype
-    seq_len = getattr(model, "seq_len", None) or cfg.data.get("seq_len")
+    seq_len = getattr(model, "seq_len", None) or data_seq_len
     plain, ckpt, chosen = activation_estimates(model, objective, int(seq_len), dtype, checkpointing)
     device = resolve_device(settings.device)
     if memory is None:
@@ -101,8 +97,6 @@ def build_plan(cfg: DictConfig, world: int = 1, memory: int | None = None) -> Pl
                 weight_bytes(model), autocast_copy_bytes(model, dtype), gradient_bytes(model),
                 optimizer_state_bytes_of(factory, model), plain, ckpt,
                 isinstance(checkpointing, ActivationCheckpointing), chosen, memory, name, world)
-    from ..engines.fsdp import BLOCKS
-    blocks = cfg.engine.get("blocks", BLOCKS) if cfg.get("engine") is not None else BLOCKS
     name, count = max(fsdp_units(model, blocks or BLOCKS), key=lambda u: u[1])
     plan.n_total = sum(p.numel() for p in unique_params(model))
     plan.fsdp_unit = (name, count * (2 if dtype in (torch.bfloat16, torch.float16) else 4))

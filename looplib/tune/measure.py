@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import EXIT_NUMERIC
+
 SEVERITY = ["measured", "diverged", "oom", "error"]   # the ranks agree on the worst
 
 
@@ -80,7 +82,7 @@ def run_child(argv: list[str], env: dict, timeout_s: float, run_dir: Path) -> tu
     text = log.read_text(errors="replace")
     if "OutOfMemoryError" in text or "out of memory" in text.lower():
         return "oom", "out of memory: " + last_line(text, ("OutOfMemoryError", "out of memory"))
-    if code == 3:  # looplib's stop after too many non-finite steps (checkpoints.EXIT_NUMERIC)
+    if code == EXIT_NUMERIC:  # looplib's stop after too many non-finite steps
         return "diverged", last_line(text, ("looplib: stopped",))
     return "error", f"exit {code}: " + last_line(text, ("looplib: error", "Error", "error"))
 

@@ -11,6 +11,7 @@ import json
 import shlex
 from pathlib import Path
 
+from ..atomic import write_atomic
 from .search import Row
 
 STATUS_ORDER = {"measured": 0, "diverged": 1, "oom": 2, "error": 3, "pruned": 4, "skipped": 5}
@@ -35,9 +36,7 @@ def command(job: list[str], overrides: list[str], launcher: str = "python") -> s
 def write(run_dir: Path, result: dict) -> None:
     """tune.json (the result as it is), tune.md and tune.png beside it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "tune.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(run_dir / "tune.json")
+    write_atomic(run_dir / "tune.json", json.dumps(result, indent=1) + "\n")
     (run_dir / "tune.md").write_text(markdown(result))
     chart(run_dir / "tune.png", result)
 

@@ -4,22 +4,23 @@
         tune.numerics=allow tune.memory_gib=16 tune.search=[batch,checkpointing,precision]
 
 Everything that is not ``tune.*`` (nor ``hydra.run.dir``) is the job: the overrides
-``python -m looplib.train`` would take. The measurement's own keys (steps, logging, checkpoints,
+``python -m looplib.train`` would take (``looplib.cli.tune.split`` reads the command line). The measurement's own keys (steps, logging, checkpoints,
 evaluation, sample) are set by the tuner for every candidate, so the job's values of them are
 dropped from what each candidate runs and kept in the best command.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from ..errors import ConfigError
+from ..groups import tuned
 from ..schema import Fraction, NonNegative, Positive, check_options, refuse_unknown
 
-DIMENSIONS = ("batch", "checkpointing", "compile", "loss", "optim_impl", "engine", "precision", "optim")
-NUMERICS = ("precision", "optim")  # dimensions that change the numbers: searched with tune.numerics=allow
+# the micro-batch, then every config group tune searches (looplib.groups: same math first), then the
+# optimizer's implementation (foreach, fused)
+DIMENSIONS = ("batch", *tuned("exact"), "optim_impl", *tuned("numerics"))
+NUMERICS = tuple(tuned("numerics"))  # dimensions that change the numbers: searched with tune.numerics=allow
 # keys each candidate run sets itself (the measurement), not taken from the job
 MEASUREMENT = ("max_steps", "log_every", "eval_every", "eval_batches", "sample_tokens", "progress", "resume",
                "checkpoint.enabled", "checkpoint.every_steps", "checkpoint.keep")
@@ -58,59 +59,6 @@ class Tune:
                                   f"use e.g. tune.options.{dim}=[a,b]")
 
 
-@dataclass
-class Command:
-    """The command line, split."""
-    job: list[str]            # the job's overrides, as typed
-    tune: Tune
-    run_dir: Path
-
-
-def parse_value(arg: str) -> Any:
-    """An override's value as Hydra reads it (``[a,b]`` a list, ``16`` an int, ``null`` None)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    try:
-        return OverridesParser.create().parse_overrides([arg])[0].value()
-    except HydraException as err:
-        key = arg.split("=", 1)[0]
-        raise ConfigError(key, f"{arg!r} does not parse: {' '.join(str(err).split())[:160]}",
-                          f"check the syntax of {key}") from None
-
-
-def split(argv: list[str]) -> Command:
-    """The job's overrides, the ``tune.*`` settings (checked) and the run directory."""
-    job, values, run_dir = [], {}, None
-    for arg in argv:
-        key, eq, _ = arg.lstrip("+").partition("=")
-        if arg.startswith("-"):
-            raise ConfigError(arg, "is not an option of python -m looplib.tune",
-                              "give the job's overrides and tune.* settings, e.g. tune.budget_s=600")
-        if key == "hydra.run.dir":
-            run_dir = Path(str(parse_value(arg)))
-        elif key == "tune" or key.startswith("tune."):
-            if not eq:
-                raise ConfigError(key, f"{arg} has no value", f"use {key}=VALUE")
-            parts = key.split(".")[1:]
-            if parts[:1] == ["options"] and len(parts) == 2:
-                values.setdefault("options", {})[parts[1]] = parse_value(arg)
-            elif len(parts) == 1:
-                values[parts[0]] = parse_value(arg)
-            else:
-                raise ConfigError(key, f"{key} is not a tune setting", "use tune.NAME=VALUE or tune.options.DIM=[...]")
-        else:
-            job.append(arg)
-    names = [f.name for f in fields(Tune)]
-    for key in values:
-        if key not in names:
-            refuse_unknown("tune.", key, values[key], names)
-    check_options("tune.", Tune, values)
-    tune = Tune(**values)
-    if run_dir is None:
-        run_dir = Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
-    return Command(job, tune, run_dir)
-
-
 def key_of(override: str) -> str:
     """``+optim.impl=fused`` -> ``optim.impl``."""
     return override.lstrip("+~").partition("=")[0]
@@ -123,7 +71,6 @@ def pinned(job: list[str]) -> set[str]:
 
 def job_without_measurement(job: list[str]) -> list[str]:
     return [o for o in job if key_of(o) not in MEASUREMENT]
-
 
 
 def without(job: list[str], overrides: list[str]) -> list[str]:

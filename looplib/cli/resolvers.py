@@ -16,9 +16,9 @@ from __future__ import annotations
 def register_resolvers() -> None:
     from omegaconf import OmegaConf  # here, not at import: looplib without Hydra imports no OmegaConf
 
-    from .data.tokenizer import tokenizer_size
-    from .engines.launch import rank0_dir
-    from .hf.config import default_seq_len
+    from ..data.tokenizer import tokenizer_size
+    from ..engines.launch import rank0_dir
+    from ..hf.config import default_seq_len
     if not OmegaConf.has_resolver("looplib.rank0_dir"):
         OmegaConf.register_new_resolver("looplib.rank0_dir", rank0_dir)
     if not OmegaConf.has_resolver("looplib.vocab_size"):

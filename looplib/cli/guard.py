@@ -2,19 +2,41 @@
 (``hydra.callbacks`` in conf/config.yaml): Hydra calls it before it creates the run directory,
 opens its log file there or writes ``.hydra/``, so a refusal leaves an earlier run's files
 untouched. The rules themselves (what a run directory may hold, removing what a refused run
-wrote) are Hydra-free, in ``looplib.rundir``, which ``train_model`` uses without Hydra.
+wrote) are Hydra-free, in ``looplib.run.rundir``, which ``train_model`` uses without Hydra.
+It also tells ``looplib.cli.entry`` when a job starts and ends (from then on an exception is
+the job's own, reported by Hydra as always).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from . import cli
-from .engines import launch
-from .errors import ConfigError
-from .rundir import SEARCH, check, continued, latest_resumable, refuse
+from ..engines import launch
+from ..errors import EXIT_CONFIG, ConfigError
+from ..run.rundir import check, continued, latest_resumable, write_exit_status
+from .entry import BOUNDARY
+from .sweep import SWEEPER
+
+
+def refuse(err: ConfigError) -> None:
+    """One line (rank 0), the exit status 2, before Hydra has written anything."""
+    if launch.launched_rank() == 0:
+        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+    write_exit_status(EXIT_CONFIG)
+    sys.exit(EXIT_CONFIG)
+
+
+def made(path: Path, key: str) -> None:
+    """Make the directory Hydra is about to make (a refused run removes it again), so that one
+    that cannot be made (``/proc/x``, a path under a file) is a refusal, not Hydra's traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(key, f"cannot make the run directory {path}: {err.strerror or err}",
+                          f"give a directory that can be made and written ({key}=...)") from None
 
 
 def as_rank0(config: DictConfig, key: str) -> Path | None:
@@ -74,6 +96,7 @@ class RunDirGuard(Callback):
         resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
         try:
             check(path, None if resume is None else str(resume), key)
+            made(path, key)
         except ConfigError as err:
             refuse(err)
 
@@ -85,8 +108,10 @@ class RunDirGuard(Callback):
         self._check(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if OmegaConf.select(config, "hydra.sweeper._target_") == SEARCH:
-            return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.sweep)
+        if OmegaConf.select(config, "hydra.sweeper._target_") == SWEEPER:
+            return  # hydra/sweeper=optuna continues its study in its directory, and checks it (looplib.cli.sweep)
+        path = as_rank0(config, "hydra.sweep.dir")  # a sweep refused from here on leaves no directory behind
+        BOUNDARY.sweep_dir, BOUNDARY.sweep_fresh = path, path is not None and not path.exists()
         self._check(config, "hydra.sweep.dir")
         if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper") and \
                 OmegaConf.select(config, "hydra.launcher._target_", default="").endswith(".BasicLauncher"):
@@ -95,12 +120,9 @@ class RunDirGuard(Callback):
                 check_sweep_jobs(config)  # every job's settings before the first job runs
             except ConfigError as err:
                 refuse(err)
-        path = as_rank0(config, "hydra.sweep.dir")
-        cli.sweep_started(path, fresh=path is not None and not path.exists())
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        cli.job_started()
+        BOUNDARY.in_job = True
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
-        from hydra.core.utils import JobStatus
-        cli.job_ended(getattr(job_return, "status", None) == JobStatus.COMPLETED)
+        BOUNDARY.in_job = False  # the next job's arguments are the command line's again

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from torch.utils.data import default_collate
 
-from .accumulation import candidates
-from .errors import ConfigError
-from .loop import fit
+from ..accumulation import candidates
+from ..errors import ConfigError
+from ..loop import fit
 
 log = logging.getLogger("looplib")
 

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("looplib")
 
@@ -65,6 +65,25 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
+def config_text(config: dict) -> str:
+    """The config as the run directory's and every checkpoint's config.yaml holds it: YAML is only
+    how the dict is written to disk (keys in their order; read back by ``read_config``)."""
+    import yaml
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def read_config(path: Path) -> dict:
+    """A config.yaml as plain values (``ValueError`` when it is not a YAML mapping)."""
+    import yaml
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(" ".join(str(err).split())) from None
+    if not isinstance(config, dict):
+        raise ValueError("not a mapping")
+    return config
+
+
 def config_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -75,28 +94,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` in one rename: a reader sees the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 LOCAL_FILES = ("model.safetensors", "state.pt")   # what a checkpoint in looplib's own format needs
@@ -158,11 +155,8 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
     if unlisted:
         raise InvalidCheckpoint(f"the manifest does not list {', '.join(unlisted)}")
     try:
-        from omegaconf import OmegaConf
-        saved = OmegaConf.to_container(OmegaConf.create((path / "config.yaml").read_text()))
-        if not isinstance(saved, dict):
-            raise ValueError("not a mapping")
-    except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's many errors
+        saved = read_config(path / "config.yaml")
+    except ValueError as err:
         raise InvalidCheckpoint(f"unreadable config.yaml ({str(err).splitlines()[0]})") from None
     out = {"config": saved, "meta": meta, "step": step, "state": None,
            "accepted": check_config(saved, path) if check_config is not None else []}

@@ -1,5 +1,5 @@
 """The command line without Hydra: ``train_model`` builds and runs exactly what ``python -m
-looplib.train`` builds and runs (``looplib.assemble``), from Python objects.
+looplib.train`` builds and runs (``looplib.run.lifecycle``), from Python objects.
 
     from looplib import BF16, AdamW, train_model
     result = train_model(MyModel(), my_dataset, max_steps=1000, batch_size=8, accum_steps=4,
@@ -15,7 +15,8 @@ the class of every part), checkpoints/ (every ``checkpoint_every`` steps and at 
 newest ``keep`` kept), the exported weights; ``resume="auto"`` (or a checkpoint path)
 continues a run. SIGTERM/SIGUSR1 and Ctrl-C save at the next step boundary as on the command
 line, then raise ``Interrupted`` (``.status`` 75 or 130, ``.result`` the ``Trained`` so far);
-a run with too many non-finite steps raises ``NumericError``, a failed save ``SaveError``.
+a run with too many non-finite steps raises ``NumericError``, a failed save ``SaveError``: every
+ending is a ``looplib.RunEnded`` with the ``status`` the command line would exit with.
 Without ``run_dir`` nothing is written but ``metrics=PATH``, which starts afresh (a warning
 says so when it held an earlier run's rows): it never appends.
 
@@ -33,21 +34,23 @@ from typing import Any, Literal
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import assemble
-from .peft import FullModel
-from .assemble import Parts, Record, Trained
-from .checkpointing import Checkpointing
-from .compile import Compile
-from .data import Corpus
-from .engines import Engine
-from .errors import ConfigError
-from .evaluation import Evaluation
-from .loggers import Logger
-from .loss import TokenCrossEntropy
-from .optim import AdamW, OptimizerFactory, Schedule
-from .precision import Precision
-from .settings import settings_from
-from .signals import Interrupted, Signals
+from ..checkpointing import Checkpointing
+from ..compile import Compile
+from ..data import Corpus
+from ..engines import Engine
+from ..errors import ConfigError
+from ..evaluation import Evaluation
+from ..groups import Group, groups
+from ..loggers import Logger
+from ..loss import TokenCrossEntropy
+from ..optim import OptimizerFactory, Schedule
+from ..peft import FullModel
+from ..precision import Precision
+from .assembly import Parts, Record, Trained
+from .lifecycle import execute
+from .rundir import check as check_run_dir
+from .settings import Settings, settings_from
+from .signals import Signals
 
 log = logging.getLogger("looplib")
 
@@ -74,16 +77,20 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
                 resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
                 metrics: str | Path | None = None, log_every: int = 10, max_bad_steps: int = 25,
                 sample_tokens: int = 0, peak_tflops: float | None = None, progress: str = "auto",
-                loader: dict[str, Any] | None = None, collate_fn=None) -> Trained:
+                loader: dict[str, Any] | None = None, collate_fn=None, **more: Any) -> Trained:
     """Train ``model`` on ``dataset`` (a dataset of dict samples, or a ``looplib.data.Corpus``
-    such as ``TextCorpus``) with the given strategies. ``collate_fn``: a corpus's ``collate`` for
-    samples of different lengths; ``loader``: the DataLoader keys of the CLI's ``loader.*``
-    (num_workers, pin_memory, ...); ``checkpoint_every``: steps between checkpoints (0: only at
-    the end, None: none at all, as ``checkpoint.enabled=false``); ``export``: ``auto`` writes what the CLI writes into the run
-    directory (model.safetensors, hf/ for a transformers model, the adapter under LoRA), ``hf``
-    insists on a transformers export, None writes no weights. Returns ``Trained`` (model,
-    optimizer, scheduler, state, eval_loss, run_dir, last_row)."""
+    such as ``TextCorpus``) with the given strategies (one per config group: ``looplib.groups``).
+    ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
+    DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``checkpoint_every``:
+    steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
+    ``export``: ``auto`` writes what the CLI writes into the run directory (model.safetensors, hf/
+    for a transformers model, the adapter under LoRA), ``hf`` insists on a transformers export,
+    None writes no weights. ``**more``: the objects of groups added to ``looplib.groups.GROUPS``
+    (a group of your own), by their argument name. Returns ``Trained`` (model, optimizer,
+    scheduler, state, eval_loss, run_dir, last_row); raises ``looplib.RunEnded`` otherwise."""
     speak()
+    given = dict(objective=objective, precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
+                 evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger, **more)
     settings = settings_from(dict(
         device=device, seed=seed, max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps,
         global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,
@@ -105,60 +112,53 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
         raise ConfigError("resume", f"resume={resume} needs the run directory to continue in",
                           "pass run_dir=PATH (the directory of the run to continue)")
     if run_dir is not None:
-        from .rundir import check as check_run_dir
         check_run_dir(Path(run_dir), settings.resume, "run_dir")  # never mixed into another run's files
-    check_strategies(dict(precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
-                          evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger))
+    rows = {row.argument: row for row in groups() if row.stage != "expensive"}
+    check_strategies({rows[arg]: obj for arg, obj in given.items() if arg in rows})
+    unknown = sorted(set(given) - set(rows))
+    if unknown:
+        raise ConfigError(unknown[0], f"train_model() got {unknown[0]}=, which is neither a setting nor a config group's "
+                          "argument", "see help(looplib.train_model), or add the group's row to looplib.groups.GROUPS")
     if export not in ("auto", "hf", None):
         raise ConfigError("export", f"export={export!r} is not a kind of export",
                           "use export='auto' (what the command line writes), 'hf' or None (no weights)")
-    parts = Parts(model, data, objective or TokenCrossEntropy(), precision or Precision(), optim or AdamW(),
-                  schedule or Schedule(), engine, peft or FullModel(), compile or Compile(),
-                  evaluation or Evaluation(), checkpointing or Checkpointing(), logger or Logger())
     if export == "hf" and not hasattr(model, "export"):
         raise ConfigError("export", f"export='hf' needs a transformers model (looplib.hf), not {type(model).__name__}",
                           "use export='auto' (model.safetensors), or wrap the model with looplib.hf.CausalLM")
+    parts = Parts(model=model, data=data, **{rows[arg].part: obj for arg, obj in given.items()})
+
+    def make() -> tuple[Parts, Settings, Record]:
+        parts.fill(settings)  # the null objects, so that config.yaml names every part's class
+        return parts, settings, record(settings, parts, run_dir)
+
     signals = Signals()
     try:
         signals.__enter__()  # SIGTERM, SIGUSR1, Ctrl-C handled as on the command line
     except ValueError:  # not the main thread: signals stay with the caller
         signals = Signals()
     try:
-        parts.engine = assemble.check(settings, engine, parts.precision, parts.optim, parts.evaluation)
-        job = assemble.build(parts, settings, record(settings, parts, run_dir))
-        where = None if run_dir is None else job.engine.shared_run_dir(Path(run_dir))  # one directory: rank 0's
-        if metrics is not None and where is None and job.engine.is_main:
-            metrics = fresh_file(Path(metrics))
-        trained = assemble.run(job, where, signals, metrics=None if metrics is None else Path(metrics),
-                               export=export is not None)
+        return execute(make, None if run_dir is None else Path(run_dir), signals,
+                       metrics=None if metrics is None else Path(metrics), export=export is not None)
     finally:
         signals.__exit__()
-        parts.precision.close()  # what its setup changed in the process (TF32's flags), however it ended
-    if trained.state.preempted:
-        raise Interrupted(signals.signum, trained)
-    job.engine.close()  # a collective (DDP, DeepSpeed): every rank got here
-    return trained
 
 
-BASES = {"precision": Precision, "optim": OptimizerFactory, "schedule": Schedule, "peft": FullModel,
-         "compile": Compile, "evaluation": Evaluation, "checkpointing": Checkpointing, "engine": Engine,
-         "logger": Logger}
-
-
-def check_strategies(given: dict[str, Any]) -> None:
+def check_strategies(given: dict[Group, Any]) -> None:
     """Each strategy argument is the object its config group builds (or a subclass of its base):
     ``precision="bf16"`` is refused in one line naming the class to pass, not an AttributeError
     deep in the run."""
-    for group, obj in given.items():
-        if obj is None or isinstance(obj, BASES[group]):
+    for row, obj in given.items():
+        if obj is None or isinstance(obj, row.base):
             continue
+        base = f"{row.base.__module__}.{row.base.__name__}"
         if isinstance(obj, str):
-            module, _, name = (option_class(group, obj) or "").rpartition(".")
-            fix = (f"pass the object: {group}={name}() (from {module} import {name})" if module else
-                   f"pass a {BASES[group].__name__} object (the classes: docs/extending.md)")
-            raise ConfigError(group, f"{group}={obj!r} is the command line's option name, not a strategy object", fix)
-        raise ConfigError(group, f"{group}={type(obj).__name__}(...) is not a {BASES[group].__name__}",
-                          f"pass a {BASES[group].__module__}.{BASES[group].__name__} (or a subclass of it)")
+            module, _, name = (option_class(row.name, obj) or "").rpartition(".")
+            fix = (f"pass the object: {row.argument}={name}() (from {module} import {name})" if module else
+                   f"pass a {row.base.__name__} object (the classes: docs/extending.md)")
+            raise ConfigError(row.argument, f"{row.argument}={obj!r} is the command line's option name, not a "
+                              "strategy object", fix)
+        raise ConfigError(row.argument, f"{row.argument}={type(obj).__name__}(...) is not a {row.base.__name__}",
+                          f"pass a {base} (or a subclass of it)")
 
 
 def option_class(group: str, option: str) -> str | None:
@@ -173,28 +173,27 @@ def option_class(group: str, option: str) -> str | None:
     return found.group(1) if found else None
 
 
-def record(settings, parts: Parts, run_dir: str | Path | None) -> Record:
+def record(settings: Settings, parts: Parts, run_dir: str | Path | None) -> Record:
     """config.yaml of a Python run: the settings, and each part's class with its plain settings
     (a resumed run is refused if one of them changed, as on the command line)."""
     config = asdict(settings)
-    for group, obj in (("model", parts.model), ("data", parts.data), ("loss", parts.objective),
-                       ("precision", parts.precision), ("optim", parts.optim), ("schedule", parts.schedule),
-                       ("engine", parts.engine), ("peft", parts.peft), ("compile", parts.compile),
-                       ("evaluation", parts.evaluation), ("checkpointing", parts.checkpointing)):
-        config[group] = describe(obj, plain=group not in ("model", "data"))
+    for row in groups():
+        if row.stage != "trackers":
+            config[row.name] = config_of(getattr(parts, row.part), plain=row.stage != "expensive")
     where = f"run_dir={str(run_dir)!r}, " if run_dir is not None else ""
     return Record(config, name=Path(run_dir).name if run_dir else "looplib",
                   resume_hint=f"train_model(..., {where}resume='auto')")
 
 
-def describe(obj: Any, plain: bool = True) -> dict:
+def config_of(obj: Any, plain: bool = True) -> dict:
     """``{"_target_": "package.Class", key: value, ...}``: the object's class and, when ``plain``,
-    its public attributes that are plain values (numbers, strings, booleans, tuples of them)."""
-    out: dict[str, Any] = {"_target_": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+    its public attributes that are plain values (numbers, strings, booleans, tuples of them).
+    Nothing that differs per rank (an engine's rank, its device) is part of it."""
     if obj is None:
         return {"_target_": None}
+    out: dict[str, Any] = {"_target_": f"{type(obj).__module__}.{type(obj).__qualname__}"}
     for key, value in (vars(obj).items() if plain and hasattr(obj, "__dict__") else ()):
-        if key.startswith("_"):
+        if key.startswith("_") or key in getattr(obj, "per_process", ()):
             continue
         if isinstance(value, (bool, int, float, str, type(None))):
             out[key] = value
@@ -213,12 +212,3 @@ def speak() -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the caller's later basicConfig() would print every line twice
-
-
-def fresh_file(path: Path) -> Path:
-    """``metrics=PATH`` holds this run's rows only: never appended to another run's."""
-    if path.exists() and path.stat().st_size:
-        log.warning("metrics=%s held an earlier run's rows: starting it afresh for this run", path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
-    return path

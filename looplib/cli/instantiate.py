@@ -1,11 +1,12 @@
 """From a composed config to live objects: top-level checks, group defaults, instantiation.
 
 Every check that can be made before training happens here, once, and fails with a
-``ConfigError``: one line naming the key and the fix.
+``ConfigError``: one line naming the key and the fix. Which groups exist, which are appended
+and what an absent one means come from ``looplib.groups``.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
 from dataclasses import fields
 from importlib import resources
 from typing import Any
@@ -15,18 +16,17 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .engines import launch
-from .errors import ConfigError
+from .. import groups
+from ..engines.launch import launched_rank, launched_world
+from ..errors import ConfigError
+from ..loggers import Logger, Loggers
+from ..run.settings import Settings, settings_from
+from ..schema import check_options, cli, parameters, refuse_unknown
 from .resolvers import register_resolvers
-from .schema import check_options, cli, parameters, refuse_unknown
-from .settings import Settings, settings_from
 
+log = logging.getLogger("looplib")
 register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composing needs them)
 
-# Strategy groups stay out of the defaults list (so `+group=option` works as typed); an
-# absent group means this option, read from the same YAML file `+group=option` would use.
-STRATEGY_DEFAULTS = {"precision": "fp32", "optim": "adamw", "schedule": "constant", "checkpointing": "none",
-                     "engine": "local", "peft": "none", "compile": "none", "evaluation": "as_trained"}
 
 
 def group_names(cfg: DictConfig) -> set[str]:
@@ -42,10 +42,6 @@ def group_names(cfg: DictConfig) -> set[str]:
 def hydra_config():
     from hydra.core.hydra_config import HydraConfig
     return HydraConfig.get() if HydraConfig.initialized() else None
-
-
-# the groups whose objects are cheap to build (no data, no model, no tracker): strategies and the loss
-STRATEGIES = ("engine", "precision", "optim", "schedule", "loss", "peft", "compile", "evaluation", "checkpointing")
 
 
 def check_settings(cfg: DictConfig) -> Settings:
@@ -77,7 +73,9 @@ def resolved(cfg: DictConfig, group: str | None) -> dict:
 def fill_strategy_defaults(cfg: DictConfig) -> None:
     """Put the default option of every absent strategy group into ``cfg`` (so it is saved too).
     A group given only some keys (``+optim.eps=1e-6``) is those keys over its default option."""
-    defaults = {**STRATEGY_DEFAULTS, **launch.launcher_defaults(cfg)}  # torchrun without +engine: DDP
+    # strategy groups stay out of the defaults list (so `+group=option` works as typed); an absent
+    # group means its default option, read from the same YAML file `+group=option` would use
+    defaults = {**groups.appended_defaults(), **launcher_defaults(cfg)}  # torchrun without +engine: DDP
     with open_dict(cfg):
         for group, option in defaults.items():
             node = cfg.get(group)
@@ -91,7 +89,7 @@ def check_config(cfg: DictConfig) -> Settings:
     group against the constructor of the class it selects. Returns the typed settings."""
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
-    launch.refuse_one_process_engine(cfg)  # +engine=local under torchrun: refused on every rank
+    refuse_one_process_engine(cfg)  # +engine=local under torchrun: refused on every rank
     for group in sorted(group_names(cfg), key=lambda g: (g in ("data", "model"), g)):  # those may import a library
         if isinstance(cfg.get(group), DictConfig) and "_target_" in cfg[group]:
             check_group(cfg, group)
@@ -139,25 +137,10 @@ def origin(group: str, target: Any = None) -> str:
         if key == f"{group}._target_":
             return f"from {group}._target_={value}"
     choice = hydra_cfg.runtime.choices.get(group)
-    if choice is None and group in STRATEGY_DEFAULTS:
-        return f"from {group}={STRATEGY_DEFAULTS[group]}, the default"
+    defaults = groups.appended_defaults()
+    if choice is None and group in defaults:
+        return f"from {group}={defaults[group]}, the default"
     return f"from {group}={choice}" if choice else f"from {group}._target_={target}"
-
-
-@contextmanager
-def blame(group: str, cfg: DictConfig | None = None):
-    """Turn a library's ``ValueError``/``TypeError`` raised while building ``group``'s object
-    into the one-line error naming the group (and the option that chose its class)."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as err:
-        node = cfg.get(group) if cfg is not None else None
-        target = node.get("_target_") if isinstance(node, DictConfig) else None
-        chosen = f" ({target}, {origin(group, target)})" if target else ""
-        reason = " ".join(str(err).split()) or type(err).__name__
-        raise ConfigError(group, f"{group}{chosen} was refused: {reason}", f"check the {group} settings") from None
 
 
 def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
@@ -167,7 +150,7 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
         raise ConfigError(group, f"the {group} config has no _target_", f"add {group}._target_=package.Class")
     target = resolved(cfg, group)["_target_"]
     try:
-        return hydra.utils.instantiate(node, **runtime)
+        return hydra.utils.instantiate(node, _convert_="all", **runtime)  # plain dicts and lists, never DictConfig
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ConfigError):
@@ -180,3 +163,61 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
     except OmegaConfBaseException as err:
         raise ConfigError(group, f"the {group} config does not resolve: {err.msg}",
                           f"fix the values in {group}") from None
+
+
+def launcher_defaults(cfg) -> dict:
+    """Strategy defaults the launcher decides: several processes and no engine chosen -> DDP
+    (one run whose gradients are averaged, not N copies of the same job). Said in a log line."""
+    world, who = launched_world()
+    node = cfg.get("engine")
+    if world <= 1 or (node is not None and "_target_" in node):
+        return {}
+    if launched_rank() == 0:
+        log.info(
+            "%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
+            "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
+    return {"engine": "ddp"}
+
+
+def refuse_one_process_engine(cfg) -> None:
+    """An engine that runs in one process only (its class's ``several_processes`` is False:
+    ``+engine=local``), started by a launcher as one of several: every rank refuses
+    (``ConfigError``) before it builds anything or trains a copy of the job of its own."""
+    world, who = launched_world()
+    target = cfg.get("engine", {}).get("_target_") if world > 1 else None
+    if target is None:
+        return
+    try:
+        engine = hydra.utils.get_class(str(target))
+    except Exception:  # noqa: BLE001 - a misspelt _target_: the group's own check names it
+        return
+    if not getattr(engine, "several_processes", False):
+        engine_name = "Local" if engine.__name__ == "Engine" else engine.__name__
+        raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
+                          "(each would train its own copy of the job)",
+                          "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")
+
+
+def build_loggers(cfg) -> Logger:
+    """The loggers the config's ``logger`` node names (``{option: {_target_: ...}}``), as one.
+    Each one's keys are checked against its class's signature first (``looplib.schema``)."""
+    node = cfg.get("logger")
+    if node is None:
+        return Loggers()
+    if "_target_" in node:
+        raise ConfigError("logger", "the logger config names a class at its top",
+                          "name each logger: +logger.NAME._target_=package.Class (or +logger=tensorboard)")
+    built = []
+    for name in node:
+        options = resolved(node, name) if OmegaConf.is_dict(node[name]) else None
+        if not options or "_target_" not in options:
+            raise ConfigError(f"logger.{name}", f"logger.{name} names no class",
+                              f"+logger.{name}._target_=package.Class, or +logger=tensorboard|mlflow|wandb")
+        target = locate(f"logger.{name}", options["_target_"])
+        check_options(f"logger.{name}.", target, options, f"from +logger={name}")
+        try:
+            built.append(instantiate(node, name))
+        except ConfigError as err:  # name the setting as the user typed it: logger.<name>...
+            key = err.key if err.key.startswith("logger.") else f"logger.{err.key}"
+            raise ConfigError(key, err.problem, err.fix) from None
+    return Loggers(*built)

@@ -30,7 +30,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .plots import loss_curve  # noqa: F401 (python -m looplib.report RUN_DIR draws it)
+from ..errors import EXIT_CONFIG
+from .study import fmt
+from ..run.plots import loss_curve  # noqa: F401 (python -m looplib.report RUN_DIR draws it)
 
 METRICS = [  # column, header, how to format it
     ("steps", "steps", "{:d}"),
@@ -133,15 +135,6 @@ def split_overrides(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
     varying = [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
     common = {k: jobs[0].overrides[k] for k in keys if k not in varying}
     return varying, common
-
-
-def fmt(value, pattern: str) -> str:
-    if value is None:
-        return ""
-    try:
-        return pattern.format(value)
-    except (ValueError, TypeError):
-        return str(value)
 
 
 def shown(jobs: list[Job]) -> list[tuple[str, str, str]]:
@@ -306,7 +299,7 @@ def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
     out = Path(out or sweep)
     out.mkdir(parents=True, exist_ok=True)
     written = {"md": out / "report.md", "csv": out / "report.csv"}
-    from .report_study import study_section
+    from .study import study_section
     text, plots = study_section(sweep, out)  # hydra/sweeper=optuna: the study behind the jobs
     written["md"].write_text(markdown(jobs, sweep) + text)
     written["csv"].write_text(write_csv(jobs))
@@ -334,11 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         written = report(args.sweep, args.out)
     except FileNotFoundError as err:
         print(f"looplib.report: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(written["md"].read_text(), end="")
     print("\nwritten: " + ", ".join(str(p) for p in written.values()))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,9 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, Optional
 
-from .errors import ConfigError
-from .optim import LR, WEIGHT_DECAY
-from .schema import NonNegative, Positive, Seed, check_options, default_of, show
+from ..errors import ConfigError
+from ..optim import LR, WEIGHT_DECAY
+from ..schema import NonNegative, Positive, Seed, check_options, default_of, show
 
 
 @dataclass

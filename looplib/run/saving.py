@@ -3,8 +3,8 @@
 (Not activation checkpointing, which is ``looplib.checkpointing``.)
 
 A checkpoint is a directory ``checkpoints/step-00000120/`` of five files (what each holds:
-``looplib.checkpoint_files``, which reads and checks them; what a resume accepts:
-``looplib.resume``). It is written into a temporary directory beside its final place, each
+``looplib.run.checkpoint_dir``, which reads and checks them; loading one and what a resume
+accepts: ``looplib.run.resume``). It is written into a temporary directory beside its final place, each
 file flushed to disk, then renamed: a directory without a valid manifest is not a checkpoint,
 and the previous checkpoints are deleted only after the new one is complete.
 """
@@ -20,26 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import (FORMAT, LOCAL_FILES, InvalidCheckpoint, config_hash, find_checkpoint, fsync_dir,
-                               inspect_checkpoint, rng_state, set_rng_state, sha256, step_dirs, unwrap, write_file)
-from .engines.local import Engine
-from .errors import ConfigError
-from .resume import check_resume_config
+from ..atomic import fsync_dir, write_file
+from ..engines.local import Engine
+from ..errors import NumericError, SaveError
+from ..train_state import TrainState
+from .checkpoint_dir import FORMAT, LOCAL_FILES, config_hash, config_text, rng_state, sha256, step_dirs, unwrap
 from .signals import Signals, held
-from .train_state import TrainState
 
 log = logging.getLogger("looplib")
-
-EXIT_NUMERIC = 3        # max_bad_steps consecutive non-finite steps: the run cannot go on
-EXIT_IO = 74            # EX_IOERR: a checkpoint could not be written (a full disk, ...)
-
-
-class NumericError(RuntimeError):
-    """Too many consecutive steps with non-finite loss or gradients."""
-
-
-Preemption = Signals  # the run's signal handler (looplib.signals): SIGTERM, SIGUSR1 and Ctrl-C
-
 
 class Checkpoints:
     """When to save, what to save, when to stop. The loop calls ``after_step`` once per step.
@@ -49,14 +37,14 @@ class Checkpoints:
     """
 
     def __init__(self, root: str | Path | None, every_steps: int = 0, keep: int = 2,
-                 max_bad_steps: int = 0, config_yaml: str = "", is_main: bool = True, engine: Engine | None = None,
+                 max_bad_steps: int = 0, config: dict | None = None, is_main: bool = True, engine: Engine | None = None,
                  check_every: int = 1):
         self.root = Path(root) if root else None
         self.every, self.keep, self.max_bad = every_steps, keep, max_bad_steps
         self.check_every = max(1, check_every)
-        self.config_yaml, self.is_main = config_yaml, is_main
+        self.config, self.is_main = config, is_main  # the run's config: written with each checkpoint
         self.engine: Engine = engine if engine is not None else Engine("cpu")
-        self.preemption: Preemption | None = None
+        self.preemption: Signals | None = None
         self.parts: dict = {}
         self.last_saved_step = -1
         self.save_seconds: list[float] = []
@@ -169,8 +157,9 @@ class Checkpoints:
                 torch.save(blob, f)
                 f.flush()
                 os.fsync(f.fileno())
-        write_file(tmp / "config.yaml", self.config_yaml.encode())
-        meta = {**position, "config_hash": config_hash(self.config_yaml), "torch": torch.__version__,
+        text = config_text(self.config or {})
+        write_file(tmp / "config.yaml", text.encode())
+        meta = {**position, "config_hash": config_hash(text), "torch": torch.__version__,
                 "time": time.time(), "needs": needs}  # every file a resume reads: the manifest must list them
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
@@ -202,57 +191,3 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-
-    # ------------------------------------------------------------------ reading
-    def find(self, where: Path, found: dict | None = None) -> Path | None:
-        """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
-        return find_checkpoint(where, self.parts.get("model"), self.own_format, found, self.check_config)
-
-    def check_config(self, saved_cfg: dict, path: Path) -> list[str]:
-        """Refuse a config change that alters the run (``ConfigError``); return the accepted ones.
-        An engine may accept a change the saved config alone cannot judge (FSDP: another number
-        of processes splitting the same global batch differently)."""
-        from omegaconf import OmegaConf
-        if not self.config_yaml.strip():  # no config known: nothing to compare
-            return []
-        now_cfg = OmegaConf.to_container(OmegaConf.create(self.config_yaml))
-        return self.engine.resume_config(saved_cfg, now_cfg, path) + check_resume_config(saved_cfg, now_cfg)
-
-    def load(self, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
-        """Restore everything from ``path`` into the bound parts and ``state``. Returns the
-        config changes accepted as safe. ``checked``: what ``inspect_checkpoint`` read from it
-        (validated again here otherwise); nothing is loaded before it has passed."""
-        from safetensors.torch import load_model
-
-        try:
-            checked = checked or inspect_checkpoint(path, self.parts.get("model"), self.own_format, self.check_config)
-        except InvalidCheckpoint as err:
-            raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
-                              "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
-        accepted = checked["accepted"]
-        p = self.parts
-        if self.own_format:  # the engine's own format (DeepSpeed)
-            blob = self.engine.load_checkpoint(path.parent, tag=path.name)
-        else:
-            blob = checked["state"]
-            load_model(unwrap(p["model"]), str(path / "model.safetensors"))
-            p["optimizer"].load_state_dict(blob["optimizer"])
-            p["precision"].load_state_dict(blob["precision"])
-        p["scheduler"].load_state_dict(blob["scheduler"])
-        set_rng_state(blob["rng"])
-        pos = blob["position"]
-        state.step, state.epoch, state.bad_streak = pos["step"], pos["epoch"], pos["bad_streak"]
-        state.longest_streak = state.bad_streak
-        state.batches_seen, state.extra = pos["batches_seen"], blob.get("extra", {})
-        p["epochs"].epoch, p["epochs"].batches_seen = pos["epoch"], pos["batches_seen"]
-        self.last_saved_step = state.step
-        return accepted
-
-
-class SaveError(RuntimeError):
-    """A checkpoint could not be written (on this rank or another); the last complete one stays."""
-
-    def __init__(self, path: Path, cause: Exception | None):
-        self.path, self.cause = path, cause
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
-        super().__init__(f"could not write the checkpoint {path} ({why})")

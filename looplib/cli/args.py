@@ -1,10 +1,7 @@
 """The command line before Hydra: both spellings of a group, and Hydra's refusals as looplib's one line.
 
 Every entry point (``python -m looplib.train``, the ``looplib-train`` script, ``python -m
-looplib.tune``) hands its ``@hydra.main`` function to ``run``:
-
-    if __name__ == "__main__":
-        looplib.cli.run(main)
+looplib.tune``) goes through these before Hydra sees its arguments (``looplib.cli.entry.run``).
 
 - **Both spellings.** Strategy groups (precision, optim, engine, ...: the groups that are *not*
   in conf/config.yaml's defaults list) are appended, so Hydra wants ``+precision=bf16``; the
@@ -16,22 +13,15 @@ looplib.tune``) hands its ``@hydra.main`` function to ``run``:
   advice, followed once), so that looplib's check of the whole config names it with the closest
   setting ("did you mean max_steps?"), or accepts it where the class takes that argument.
 - **Hydra's refusals** that remain (an unknown option of a group, an ambiguous value without
-  ``-m``, an argument that does not parse) become one line on stderr naming the setting and the
-  fix, exit status 2, and nothing written (a sweep directory holding only Hydra's
-  ``multirun.yaml`` is removed). ``HYDRA_FULL_ERROR=1`` shows Hydra's own report instead.
+  ``-m``, an argument that does not parse) become one line (``explain``) naming the setting and
+  the fix; ``looplib.cli.entry`` says it, exits 2 and leaves nothing written.
 """
 from __future__ import annotations
 
 import difflib
-import logging
-import os
 import re
-import sys
-from importlib import resources
-from pathlib import Path
-from typing import Callable
 
-from .errors import EXIT_CONFIG
+from .. import groups as table
 
 # Hydra's command-line flags that take the next argument as their value (not an override)
 TAKES_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
@@ -49,21 +39,11 @@ FOLLOWED = [
 ]
 
 
-def group_kinds(config_name: str = "config") -> tuple[set[str], set[str]]:
-    """(strategy groups, job groups) of looplib's conf/: job groups are in the primary config's
-    defaults list, strategy groups are every other folder (hydra/ aside)."""
-    from omegaconf import OmegaConf
-    conf = resources.files("looplib.conf")
-    folders = {p.name for p in conf.iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
-    job = set()
-    try:
-        for entry in OmegaConf.load(conf / f"{config_name}.yaml").get("defaults", []):
-            if isinstance(entry, str) or not hasattr(entry, "keys"):
-                continue
-            job |= {str(k).split("@")[0].replace("override ", "").strip() for k in entry.keys()}
-    except (OSError, ValueError):  # no such primary config: nothing to normalise
-        return set(), set()
-    return folders - job, job & folders
+def group_kinds() -> tuple[set[str], set[str]]:
+    """(strategy groups, job groups): appended with ``+`` or switched in the defaults list
+    (``looplib.groups``; tests/test_config.py holds conf/ and its defaults list to the table)."""
+    rows = table.groups()
+    return {g.name for g in rows if g.appended}, {g.name for g in rows if not g.appended}
 
 
 def normalise(args: list[str], groups: tuple[set[str], set[str]] | None = None) -> list[str]:
@@ -188,99 +168,3 @@ def options_with_key(where: str, key: str) -> list[str]:
         return []
     return [f"{group}={name[:-5]}" for name, entry in sorted(node.items())
             if name.endswith(".yaml") and hasattr(entry, "node") and key in entry.node]
-
-
-class BelowWarning(logging.Filter):
-    """Log records under WARNING only: progress and metrics on stdout, the rest on stderr
-    (conf/hydra/job_logging/looplib.yaml)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.WARNING
-
-
-# ------------------------------------------------------------------ running an entry point
-
-_FULL_ERROR = "HYDRA_FULL_ERROR"
-_state = {"user_full_error": None, "sweep_dir": None, "sweep_fresh": False}
-
-
-def job_started() -> None:
-    """Called by ``looplib.rundir_guard.RunDirGuard`` as a job starts: from here an exception is the
-    job's own, and Hydra reports it as it always does."""
-    if _state["user_full_error"] is None:
-        os.environ.pop(_FULL_ERROR, None)
-
-
-def job_ended(completed: bool) -> None:
-    """After a job of a sweep that completed, Hydra's refusals of the next job's arguments come to
-    ``run`` again (a failed job's exception is reported by Hydra, as it always is)."""
-    if _state["user_full_error"] is None and completed:
-        os.environ[_FULL_ERROR] = "1"
-
-
-def sweep_started(path: Path | None, fresh: bool) -> None:
-    """Called by ``RunDirGuard`` as a sweep starts: the sweep directory, and whether it held nothing."""
-    _state["sweep_dir"], _state["sweep_fresh"] = path, fresh
-
-
-def forget_sweep() -> None:
-    """A sweep that was refused before any job wrote a result leaves no directory behind."""
-    from . import rundir
-    path, _state["sweep_dir"] = _state["sweep_dir"], None
-    if path is not None and _state["sweep_fresh"] and not rundir.results(path):
-        rundir.forget(path, fresh=True)
-
-
-def say(line: str) -> None:
-    from .engines.launch import launched_rank
-    if launched_rank() == 0:
-        print(line, file=sys.stderr, flush=True)
-
-
-def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
-    """Run a ``@hydra.main`` function on ``argv`` (default ``sys.argv[1:]``), normalised; Hydra's
-    refusals end as one line and exit status 2."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from .engines.launch import strip_launcher_args
-    from .rundir import write_exit_status
-
-    args = normalise(strip_launcher_args(list(sys.argv[1:] if argv is None else argv)))
-    user = os.environ.get(_FULL_ERROR)
-    _state["user_full_error"] = user
-    if user is None:
-        os.environ[_FULL_ERROR] = "1"  # Hydra raises its refusals to us instead of printing them
-    prog, saved_argv, tried = sys.argv[0], list(sys.argv), set()
-    try:
-        while True:  # each retry follows one piece of Hydra's advice, never the same arguments twice
-            tried.add(tuple(args))
-            sys.argv = [prog, *args]
-            try:
-                main()
-                return
-            except (HydraException, OmegaConfBaseException) as err:
-                forget_sweep()
-                fixed = follow_advice(str(err), args)
-                if fixed is None or tuple(fixed) in tried:
-                    if user is not None:
-                        raise
-                    say(f"looplib: error: {explain(err)}")
-                    write_exit_status(EXIT_CONFIG)
-                    sys.exit(EXIT_CONFIG)
-                args = fixed
-                GlobalHydra.instance().clear()
-            except SystemExit as stop:
-                if stop.code not in (0, None):
-                    forget_sweep()
-                raise
-    finally:
-        sys.argv = saved_argv
-        if user is None:
-            os.environ.pop(_FULL_ERROR, None)
-
-
-def train() -> None:
-    """The ``looplib-train`` console script: ``python -m looplib.train``, the same arguments."""
-    from .train import main
-    run(main)

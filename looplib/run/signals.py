@@ -22,29 +22,7 @@ import os
 import signal
 from contextlib import contextmanager
 
-EXIT_PREEMPTED = 75      # EX_TEMPFAIL: a scheduler may requeue the job; resume=auto continues it
-EXIT_INTERRUPTED = 130   # 128 + SIGINT: Ctrl-C
-
-
-def exit_status(signum: int) -> int:
-    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
-
-
-def name(signum: int | None) -> str:
-    return signal.Signals(signum).name if signum else "a signal"
-
-
-class Interrupted(BaseException):
-    """A signal stopped the run: at once (before training, or a second Ctrl-C), or at a step
-    boundary after saving (``looplib.train_model``: ``result`` then holds what was trained, its
-    ``state.step`` the checkpoint's step). A BaseException, like KeyboardInterrupt, so that a
-    library's ``except Exception`` does not swallow it. ``status``: 75 or 130, as the CLI exits."""
-
-    def __init__(self, signum: int, result=None):
-        super().__init__(name(signum))
-        self.signum = signum
-        self.status = exit_status(signum)
-        self.result = result
+from ..errors import Interrupted, exit_status, signal_name
 
 
 class Signals:
@@ -131,7 +109,7 @@ class Signals:
 
     @property
     def name(self) -> str:
-        return self.reason if self.signum is None and self.reason else name(self.signum)
+        return self.reason if self.signum is None and self.reason else signal_name(self.signum)
 
 
 @contextmanager

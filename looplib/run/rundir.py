@@ -1,7 +1,7 @@
 """The run directory: never write into another run's results, never leave a half-written one.
 
 The rules, with no Hydra in them (``train_model`` checks its ``run_dir`` here; the command line's
-Hydra callback ``looplib.rundir_guard.RunDirGuard`` applies them before Hydra writes anything):
+Hydra callback ``looplib.cli.guard.RunDirGuard`` applies them before Hydra writes anything):
 
 - a directory that already holds a run's results (anything but Hydra's own ``.hydra/`` and
   ``*.log``: checkpoints, metrics.jsonl, model.safetensors, ...) is refused unless the job
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
-from .engines import launch
-from .errors import EXIT_CONFIG, ConfigError
+from ..atomic import write_atomic
+from ..engines import launch
+from ..errors import ConfigError
+from .checkpoint_dir import step_dirs
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
-SEARCH = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper (hydra/sweeper=optuna)
 
 
 def results(path: Path) -> list[str]:
@@ -70,21 +70,12 @@ def check(path: Path, resume: str | None, key: str) -> None:
                       f"continue it with resume=auto, or give a new directory ({key}=...)")
 
 
-def refuse(err: ConfigError) -> None:
-    if launch.launched_rank() == 0:
-        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
-    write_exit_status(EXIT_CONFIG)
-    sys.exit(EXIT_CONFIG)
-
-
 def write_exit_status(status: int) -> None:
     """``LOOPLIB_EXIT_FILE``: rank 0 writes its exit status there as its last act. Launchers
     (torchrun) report 1 when a rank exits non-zero, so a job script reads looplib's status here."""
     path = os.environ.get("LOOPLIB_EXIT_FILE")
     if path and launch.launched_rank() == 0:
-        tmp = Path(path + ".tmp")
-        tmp.write_text(f"{status}\n")
-        os.replace(tmp, path)
+        write_atomic(path, f"{status}\n")
 
 
 def continued(overrides: list[str]) -> list[str]:
@@ -100,9 +91,22 @@ def continued(overrides: list[str]) -> list[str]:
     return [*map(shlex.quote, merged.values()), "resume=auto"]
 
 
+def artefacts(run_dir: Path) -> dict[str, str]:
+    """What the run left for people to use, by name, where it exists."""
+    out = {}
+    for name, rel in (("model", "model.safetensors"), ("adapter", "adapter"), ("hf", "hf"),
+                      ("config", "config.yaml"), ("metrics", "metrics.jsonl")):
+        if (run_dir / rel).exists():
+            out[name] = str(run_dir / rel)
+    newest = step_dirs(run_dir / "checkpoints")  # newest first; the run just wrote it (no re-hash)
+    if newest:
+        out["checkpoint"] = str(newest[0])
+    return out
+
+
 def latest_resumable(root: Path) -> tuple[Path, int] | None:
     """The most recent run directory under ``root`` holding a valid checkpoint, and its step."""
-    from .state import is_valid, step_dirs
+    from .checkpoint_dir import is_valid, step_dirs
     runs = {p.parent for depth in ("*/checkpoints", "*/*/checkpoints") for p in root.glob(depth) if p.is_dir()}
     for run in sorted(runs, key=lambda p: (p / "checkpoints").stat().st_mtime, reverse=True):
         for step in step_dirs(run / "checkpoints"):
@@ -135,13 +139,3 @@ def forget(path: Path, fresh: bool) -> None:
             parent.rmdir()
         except OSError:
             break
-
-
-def __getattr__(name: str):
-    """``looplib.rundir.RunDirGuard``, the callback's former path (a config may still name it): the
-    class lives in ``looplib.rundir_guard``, imported on first use so that this module, which
-    ``train_model`` uses, imports no Hydra."""
-    if name == "RunDirGuard":
-        from .rundir_guard import RunDirGuard
-        return RunDirGuard
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,16 +29,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .errors import EXIT_CONFIG, ConfigError
-from .rundir import SEARCH as SWEEPER  # hydra/sweeper=optuna
-from .loggers import Logger
-from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, Signals
+from ..errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
+from ..loggers import Logger
+from ..run.signals import Signals
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 log = logging.getLogger("looplib")
 
+SWEEPER = "hydra_plugins.looplib_optuna.sweeper.OptunaSweeper"  # looplib's Optuna sweeper (hydra/sweeper=optuna)
 PRUNED = "pruned by the study"  # Signals.stop's reason
 STOPS_THE_SWEEP = (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED)  # bad input, Ctrl-C, preemption
 
@@ -169,7 +169,8 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf, open_dict
 
-    from .build import STRATEGIES, check_config, instantiate
+    from ..groups import strategies
+    from .instantiate import check_config, instantiate
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     task = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
     jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
@@ -186,8 +187,8 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
             with open_dict(cfg):
                 del cfg["hydra"]
             check_config(cfg)
-            for group in STRATEGIES:  # built, not set up: no device is touched
-                instantiate(cfg, group)
+            for row in strategies():  # built, not set up: no device is touched
+                instantiate(cfg, row.name)
         except ConfigError as err:
             raise ConfigError(err.key, f"{err.problem} (in job {n} of the {len(jobs)}: {' '.join(job)})",
                               f"{err.fix}; no job of the sweep has run") from None

@@ -6,17 +6,25 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .report import fmt
+
+
+def fmt(value, pattern: str) -> str:
+    if value is None:
+        return ""
+    try:
+        return pattern.format(value)
+    except (ValueError, TypeError):
+        return str(value)
 
 
 def find_study(sweep: Path) -> tuple[str, str] | None:
     """(storage, study name) of a ``hydra/sweeper=optuna`` sweep directory, or None."""
     results = sweep / "optimization_results.yaml"
     if results.exists():
-        from omegaconf import OmegaConf
-        found = OmegaConf.load(results)
-        if found.get("storage") and found.get("study_name"):
-            return str(found.storage), str(found.study_name)
+        import yaml
+        found = yaml.safe_load(results.read_text()) or {}
+        if isinstance(found, dict) and found.get("storage") and found.get("study_name"):
+            return str(found["storage"]), str(found["study_name"])
     if (sweep / "study.db").exists():
         return f"sqlite:///{(sweep / 'study.db').absolute()}", ""
     return None

@@ -1,12 +1,24 @@
-"""``python -m looplib.plan [--world-size N] [--memory-gib G] <train overrides>``."""
+"""``python -m looplib.plan [--world-size N] [--memory-gib G] <train overrides>``: the planner
+(``looplib.plan``) on the job a command line describes."""
 from __future__ import annotations
 
 import argparse
 import math
 import sys
 
-from .budget import build_plan
-from .render import render
+from ..plan.budget import Plan, plan_job
+from ..plan.render import render
+
+
+def build_plan(cfg, world: int = 1, memory: int | None = None) -> Plan:
+    """The plan of the job ``cfg`` describes (every key checked first; nothing built but on meta)."""
+    from .instantiate import check_config, instantiate
+    settings = check_config(cfg)
+    parts = {name: instantiate(cfg, name) for name in ("precision", "optim", "checkpointing", "loss", "peft")}
+    blocks = cfg.engine.get("blocks") if cfg.get("engine") is not None else None
+    return plan_job(settings, parts["precision"], parts["optim"], parts["checkpointing"], parts["loss"], parts["peft"],
+                    lambda: instantiate(cfg, "model"), cfg.data.get("seq_len"),
+                    list(blocks) if blocks else None, world, memory)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..errors import EXIT_CONFIG, ConfigError
 
-    parser = OneLineParser(prog="python -m looplib.plan", description=sys.modules[__package__].__doc__.split("\n\n")[0],
+    import looplib.plan
+    parser = OneLineParser(prog="python -m looplib.plan", description=looplib.plan.__doc__.split("\n\n")[0],
                            epilog="Other arguments are the overrides `python -m looplib.train` takes.")
     parser.add_argument("--world-size", type=int, default=1, help="ranks for the ZeRO rows (default 1)")
     parser.add_argument("--memory-gib", type=float, default=None,

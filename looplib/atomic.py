@@ -1,0 +1,37 @@
+"""Files a reader never sees half-written: written beside their place, then renamed over it.
+
+Every small file looplib writes (config.yaml, labels.json, tracker ids, tune.json, the exit-status
+file, a checkpoint's metadata) goes through ``write_atomic``; a checkpoint's files are also
+flushed to disk (``write_file``, ``fsync_dir``) before the rename that makes it count.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Replace ``path`` by ``data`` in one rename: a reader sees the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write and flush to disk (a checkpoint's file, before its directory is renamed into place)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,123 @@
+"""Running a ``@hydra.main`` function: the arguments normalised, Hydra's refusals caught where
+Hydra reports them, each said as looplib's one line.
+
+Hydra runs everything it does for a command line (composing the config, parsing overrides,
+launching the jobs) through one function, ``hydra._internal.utils.run_and_report``, which
+prints an error and exits 1 (or, with ``HYDRA_FULL_ERROR=1``, lets it through). ``run`` takes
+the place of that function while a command runs: a refusal raised *before* a job starts (an
+unknown option, an argument that does not parse, an ambiguous value without ``-m``) comes back
+here, where Hydra's advice is followed when it asks for a "+" (``looplib.cli.args``), and what
+remains is one line, exit status 2, nothing written. Exceptions raised *inside* a job are
+reported by Hydra as always. ``HYDRA_FULL_ERROR`` keeps Hydra's meaning: unset or ``0``,
+looplib's line; ``1``, Hydra's full report.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..engines.launch import launched_rank, strip_launcher_args
+from ..errors import EXIT_CONFIG
+from ..run import rundir
+from .args import explain, follow_advice, normalise
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
+class Refused(BaseException):
+    """Hydra refused the command line before a job started (a BaseException: Hydra's own
+    ``run_and_report``, which catches ``Exception``, lets it through to ``run``)."""
+
+    def __init__(self, err: BaseException):
+        super().__init__(str(err))
+        self.err = err
+
+
+class Boundary:
+    """What ``run`` knows while a command runs: whether a job is running (its exceptions are the
+    job's own) and the sweep directory this command made (removed when it is refused)."""
+
+    def __init__(self):
+        self.in_job = False
+        self.sweep_dir: Path | None = None
+        self.sweep_fresh = False
+
+    def report(self, original: Callable) -> Callable:
+        """Hydra's ``run_and_report``, but a refusal before a job is raised to ``run``."""
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        def run_and_report(func):
+            def refusals_raised():
+                try:
+                    return func()
+                except (HydraException, OmegaConfBaseException) as err:
+                    if self.in_job:  # the job's own: reported by Hydra as it always is
+                        raise
+                    raise Refused(err) from err
+            return original(refusals_raised)
+        return run_and_report
+
+    def forget_sweep(self) -> None:
+        """A sweep refused before any job wrote a result leaves no directory behind."""
+        path, self.sweep_dir = self.sweep_dir, None
+        if path is not None and self.sweep_fresh and not rundir.results(path):
+            rundir.forget(path, fresh=True)
+
+
+BOUNDARY = Boundary()  # set by RunDirGuard (looplib.cli.guard) as jobs start and end
+
+
+@contextlib.contextmanager
+def hydra_boundary():
+    """Hydra's reporting function replaced by ``BOUNDARY.report`` (where Hydra calls it)."""
+    import hydra._internal.utils as hydra_utils
+    original = hydra_utils.run_and_report
+    hydra_utils.run_and_report = BOUNDARY.report(original)
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = original
+        BOUNDARY.in_job = False
+
+
+def say(line: str) -> None:
+    if launched_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
+    """Run a ``@hydra.main`` function on ``argv`` (default ``sys.argv[1:]``), normalised; Hydra's
+    refusals end as one line and exit status 2 (``HYDRA_FULL_ERROR=1``: Hydra's own report)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    args = normalise(strip_launcher_args(list(sys.argv[1:] if argv is None else argv)))
+    prog, saved_argv, tried = sys.argv[0], list(sys.argv), set()
+    try:
+        while True:  # each retry follows one piece of Hydra's advice, never the same arguments twice
+            tried.add(tuple(args))
+            sys.argv = [prog, *args]
+            try:
+                with hydra_boundary():
+                    main()
+                return
+            except Refused as refused:
+                BOUNDARY.forget_sweep()
+                fixed = follow_advice(str(refused.err), args)
+                if fixed is None or tuple(fixed) in tried:
+                    if os.environ.get(FULL_ERROR) == "1":
+                        raise refused.err from None
+                    say(f"looplib: error: {explain(refused.err)}")
+                    rundir.write_exit_status(EXIT_CONFIG)
+                    sys.exit(EXIT_CONFIG)
+                args = fixed
+                GlobalHydra.instance().clear()
+            except SystemExit as stop:
+                if stop.code not in (0, None):
+                    BOUNDARY.forget_sweep()
+                raise
+    finally:
+        sys.argv = saved_argv

@@ -1,0 +1,101 @@
+"""Hydra entry point: ``python -m looplib.train [+group=option ...] [key=value ...]``.
+
+Only the mapping from the composed config to looplib's one front door
+(``looplib.run.lifecycle.execute``): check every key, instantiate each config group into its
+strategy object (cheap ones first, so bad input fails before a tokenizer is trained or a model
+is built), then run exactly what ``train_model`` runs from Python; the ending it raises becomes
+its line and the exit status.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from ..engines.launch import launched_world
+from ..errors import RunEnded
+from ..groups import strategies
+from ..loggers import Loggers
+from ..run import rundir
+from ..run.assembly import Job, Parts, Record
+from ..run.lifecycle import assemble, execute
+from ..run.settings import Settings
+from ..run.signals import Signals
+from . import sweep
+from .instantiate import build_loggers, check_config, instantiate, origin
+
+
+def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
+    """Every key checked (type, range, existence), the cheap parts built (a missing package is a
+    ``ConfigError`` here), and the expensive ones (data, model) left for after the checks."""
+    settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
+    # +logger= choices, and in a pruned search the trial's reporter (looplib.cli.sweep)
+    trackers = Loggers(build_loggers(cfg), *sweep.reporting(cfg))
+    built = {row.part: instantiate(cfg, row.name) for row in strategies()}
+
+    def later() -> dict:
+        torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
+        data = instantiate(cfg, "data")
+        return {"data": data, "model": instantiate(cfg, "model")}
+
+    return Parts(later, logger=trackers, **built), settings, record(cfg)
+
+
+def build_job(cfg: DictConfig) -> Job:
+    """The job the command line would train, built and not trained (tests, the profiler)."""
+    return assemble(*job_parts(cfg))
+
+
+def record(cfg: DictConfig) -> Record:
+    """The config as the run saves it, and the names trackers give the job (a sweep's jobs share
+    ``group``: their multirun directory)."""
+    name, group = "", None
+    if HydraConfig.initialized():
+        from hydra.types import RunMode
+        hc = HydraConfig.get()
+        overrides = " ".join(hc.overrides.task)
+        if hc.mode == RunMode.MULTIRUN:
+            group, name = str(hc.sweep.dir), f"{hc.job.num}: {overrides}" if overrides else str(hc.job.num)
+        else:
+            name = overrides
+    origins = {}
+    for group_name in ("loader", "optim", "schedule"):
+        target = cfg[group_name].get("_target_") if group_name in cfg else None
+        origins[group_name] = f" ({target}, {origin(group_name, target)})" if target else ""
+    return Record(OmegaConf.to_container(cfg, resolve=True), name, group,
+                  continue_command().replace("{", "{{").replace("}", "}}") + "{run_dir}", origins)
+
+
+def continue_command() -> str:
+    """The command that continues this run, ready to paste but for its directory (appended): the
+    job's own overrides, then resume=auto and hydra.run.dir=."""
+    task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    world, who = launched_world()
+    start = ["python", "-m", "looplib.train"] if world <= 1 else [who, "...", "-m", "looplib.train"]
+    return " ".join([*start, *rundir.continued(task), "hydra.run.dir="])
+
+
+def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
+    """The job, through the front door; every way it can end becomes one line and an exit status."""
+    fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
+    try:
+        execute(lambda: job_parts(cfg), run_dir, signals, fresh=fresh)
+    except RunEnded as end:
+        if end.line:
+            print(end.line, file=sys.stderr, flush=True)
+        return end.status
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path="pkg://looplib.conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
+    status = sweep.job(lambda: run(cfg, run_dir, signals))  # in a sweep, a crash is a failed trial
+    signals.finish()                 # from here on a signal changes nothing
+    rundir.write_exit_status(status)
+    return sweep.outcome(cfg, run_dir, status, signals)  # the objective for a sweeper; exits on failure

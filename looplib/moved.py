@@ -1,0 +1,108 @@
+"""Old import paths, kept for one release: each works, with a ``FutureWarning`` naming the new path.
+
+The house was rearranged into three wings (the loop and one module per config group at the top;
+``looplib.run``, a run's life without Hydra; ``looplib.cli``, the command line): a config whose
+``_target_`` names an old path (``looplib.rundir_guard.RunDirGuard``, ``looplib.adapters.LoRA``),
+or code importing one (``from looplib.checkpoints import SaveError``), keeps working until the
+next release, and says where the name lives now. Nothing here is imported under a new name
+silently: every use of an old path warns.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+
+# old module -> the modules its names live in now (searched in order)
+MODULES: dict[str, tuple[str, ...]] = {
+    "looplib.assemble": ("looplib.run.assembly", "looplib.run.training", "looplib.run.lifecycle"),
+    "looplib.autobatch": ("looplib.run.autobatch",),
+    "looplib.settings": ("looplib.run.settings",),
+    "looplib.rundir": ("looplib.run.rundir", "looplib.cli.guard"),
+    "looplib.resume": ("looplib.run.resume",),
+    "looplib.checkpoints": ("looplib.run.saving", "looplib.errors", "looplib.run.resume"),
+    "looplib.checkpoint_files": ("looplib.run.checkpoint_dir", "looplib.atomic"),
+    "looplib.signals": ("looplib.run.signals", "looplib.errors"),
+    "looplib.plots": ("looplib.run.plots",),
+    "looplib.api": ("looplib.run.api", "looplib.run.lifecycle"),
+    "looplib.build": ("looplib.cli.instantiate",),
+    "looplib.resolvers": ("looplib.cli.resolvers",),
+    "looplib.rundir_guard": ("looplib.cli.guard",),
+    "looplib.sweep": ("looplib.cli.sweep",),
+    "looplib.report_study": ("looplib.report.study",),
+    "looplib.state": ("looplib.run.checkpoint_dir", "looplib.run.saving", "looplib.run.resume", "looplib.errors",
+                      "looplib.train_state"),
+    "looplib.adapters": ("looplib.peft",),
+    "looplib.objectives": ("looplib.loss",),
+    "looplib.data.corpora": ("looplib.data", "looplib.data.files", "looplib.data.records"),
+    "looplib.plan.cli": ("looplib.cli.plan",),
+}
+
+# names that left a module which is still there: (module, name) -> new module
+NAMES: dict[tuple[str, str], str] = {
+    ("looplib.cli", "normalise"): "looplib.cli.args",
+    ("looplib.cli", "follow_advice"): "looplib.cli.args",
+    ("looplib.cli", "explain"): "looplib.cli.args",
+    ("looplib.train", "main"): "looplib.cli.main",
+    ("looplib.train", "build_job"): "looplib.cli.main",
+    ("looplib.train", "record"): "looplib.cli.main",
+    ("looplib.generate", "main"): "looplib.cli.generate",
+    ("looplib.plan", "build_plan"): "looplib.cli.plan",
+    ("looplib.plan", "main"): "looplib.cli.plan",
+    ("looplib.loggers", "build"): "looplib.cli.instantiate",
+}
+RENAMED = {("looplib.loggers", "build"): "build_loggers", ("looplib.assemble", "run"): "train"}
+
+
+def warn(old: str, new: str) -> None:
+    warnings.warn(f"{old} has moved to {new}; the old path goes in the next release (docs/extending.md)",
+                  FutureWarning, stacklevel=3)
+
+
+def attribute(module: str, name: str):
+    """``module.name`` for a module's ``__getattr__``: a name that moved away, found where it is now."""
+    if (module, name) not in NAMES:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new_module, new_name = NAMES[module, name], RENAMED.get((module, name), name)
+    warn(f"{module}.{name}", f"{new_module}.{new_name}")
+    return getattr(importlib.import_module(new_module), new_name)
+
+
+class OldModule(types.ModuleType):
+    """An old module path: each name looked up where it lives now, with a warning."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        wanted = RENAMED.get((self.__name__, name), name)
+        for new in MODULES[self.__name__]:
+            module = importlib.import_module(new)
+            if hasattr(module, wanted):
+                warn(f"{self.__name__}.{name}", f"{new}.{wanted}")
+                return getattr(module, wanted)
+        raise AttributeError(f"module {self.__name__!r} (now {', '.join(MODULES[self.__name__])}) has no "
+                             f"attribute {name!r}")
+
+
+class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old module paths of ``MODULES`` (installed on ``sys.meta_path`` by ``import looplib``)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in MODULES:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        warn(spec.name, " and ".join(MODULES[spec.name]))
+        return OldModule(spec.name, f"the old path of {', '.join(MODULES[spec.name])}")
+
+    def exec_module(self, module):
+        pass
+
+
+def install() -> None:
+    if not any(isinstance(finder, OldPaths) for finder in sys.meta_path):
+        sys.meta_path.append(OldPaths())

@@ -1,0 +1,110 @@
+"""A run's whole life, in one function: ``execute``. The command line (``looplib.cli.main``) and
+``train_model`` (``looplib.run.api``) both call it; neither closes, cleans or reports anything itself.
+
+    make the parts (cheap)  ->  check  ->  the expensive parts (data, model)  ->  build
+        ->  the run directory every rank shares  ->  train  ->  close the engine
+
+However the run ends, the precision puts back what its setup changed in the process (TF32's
+flags) exactly once, and the ending is one exception, ``looplib.errors.RunEnded``, whose
+``status`` is the command line's exit status and whose ``line`` is what it says (set here, once,
+for every kind of ending: a refused setting, too many non-finite steps, a failed save, a lost
+rank, a signal). A run refused or stopped before it trained leaves nothing behind in a run
+directory that held nothing before it.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+from typing import Callable
+
+from ..engines.launch import launched_rank, lost_rank_line
+from ..errors import ConfigError, Interrupted, LostRank, NumericError, RunEnded, SaveError
+from .assembly import Job, Parts, Record, Trained, build, check
+from .rundir import forget, results
+from .settings import Settings
+from .signals import Signals
+from .training import train
+
+log = logging.getLogger("looplib")
+
+
+def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | None, signals: Signals, *,
+            fresh: bool = False, metrics: Path | None = None, export: bool = True) -> Trained:
+    """Run the job that ``make`` describes (it raises ``ConfigError`` on a bad setting) in ``run_dir``
+    (None: nothing written but ``metrics``). ``fresh``: ``run_dir`` held nothing of a run before
+    this one, so a run refused or stopped before training removes it whole. Returns what was
+    trained when the run finished (or when a reason of its own stopped it early: a sweep's
+    pruner); raises ``RunEnded`` otherwise."""
+    parts = record = job = None
+    try:
+        try:
+            parts, settings, record = make()
+            job = assemble(parts, settings, record)
+            if run_dir is not None:
+                shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+                if shared != run_dir:
+                    forget(run_dir, fresh=True)  # this rank's scratch directory
+                    run_dir, fresh = shared, fresh and not results(shared)
+            elif metrics is not None and job.engine.is_main:
+                metrics = fresh_file(metrics)
+            trained = train(job, run_dir, signals, metrics, export)
+        finally:
+            if parts is not None and parts.precision is not None:
+                parts.precision.close()  # TF32's process-wide flags: a sweep's next job starts clean
+    except RunEnded as end:
+        signals.finish()  # from here a signal changes nothing
+        end.line = ending(end, signals, record, run_dir)
+        if not signals.training and isinstance(end, (ConfigError, Interrupted)) and run_dir is not None:
+            forget(run_dir, fresh)  # found before training: nothing of this run stays behind
+        raise
+    except Exception as err:  # noqa: BLE001 - a collective that failed because another rank is gone
+        signals.finish()  # first: torchrun's SIGTERM to the survivors may arrive while the lost rank is looked for
+        line = lost_rank_line(err)
+        if line is None:
+            raise
+        lost = LostRank(line.removeprefix("looplib: stopped: "))
+        lost.line = line
+        raise lost from err
+    signals.finish()
+    if trained.state.preempted and signals.signum is not None:  # saved at a step boundary, said in the log
+        job.engine.close()  # every rank got here
+        raise Interrupted(signals.signum, trained)
+    job.engine.close()  # a collective (DDP, DeepSpeed): only when every rank got here
+    return trained
+
+
+def assemble(parts: Parts, settings: Settings, record: Record) -> Job:
+    """Check, build the expensive parts, build the job: a run ready to train (what ``execute``
+    trains; a tool that probes a job without training it calls this alone)."""
+    check(parts, settings)
+    parts.build_later()
+    return build(parts, settings, record)
+
+
+def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path | None) -> str:
+    """The one line the command line says for ``end`` (rank 0 only; the others say nothing)."""
+    if launched_rank() != 0:
+        return ""
+    if isinstance(end, ConfigError):
+        return f"looplib: error: {end}"
+    if isinstance(end, NumericError):
+        return f"looplib: stopped: {end}"
+    if isinstance(end, SaveError):
+        return f"looplib: error: {end}; the last complete checkpoint stays (resume=auto continues from it)"
+    if isinstance(end, Interrupted) and signals.training:  # a second Ctrl-C while training
+        hint = (record.resume_hint if record is not None else "resume=auto").format(
+            run_dir=shlex.quote(str(run_dir)))
+        return f"looplib: stopped at once ({end}); the last complete checkpoint stays. Continue with: {hint}"
+    if isinstance(end, Interrupted):
+        return f"looplib: stopped ({end}) before training started; nothing was saved"
+    return f"looplib: stopped: {end}"
+
+
+def fresh_file(path: Path) -> Path:
+    """``metrics=PATH`` without a run directory holds this run's rows only: never appended to another run's."""
+    if path.exists() and path.stat().st_size:
+        log.warning("metrics=%s held an earlier run's rows: starting it afresh for this run", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return path

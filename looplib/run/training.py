@@ -1,0 +1,166 @@
+"""Training a built job: loaders, optimizer, schedule, the engine's preparation, resume,
+telemetry and trackers, ``looplib.fit``, a last evaluation, the final checkpoint, the export
+and the end-of-run sample. ``looplib.run.lifecycle.execute`` calls it once the job is built.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+
+import torch
+
+from ..accumulation import Accumulation
+from ..atomic import write_atomic
+from ..data import Epochs, build_loader
+from ..data.loading import small_data
+from ..errors import EXIT_INTERRUPTED
+from ..loggers import Run, logged_steps
+from ..loop import fit
+from ..telemetry import Telemetry, peak_flops
+from ..train_state import TrainState
+from .assembly import Job, Record, Trained, refused
+from .plots import end_of_run_plot
+from .resume import resume
+from .rundir import artefacts
+from .saving import Checkpoints
+from .signals import Signals
+
+log = logging.getLogger("looplib")
+
+
+def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics: Path | None = None,
+          export: bool = True) -> Trained:
+    """Train ``job``, writing into ``run_dir`` (metrics.jsonl, config.yaml, checkpoints/, the
+    exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``."""
+    s, engine, signals = job.settings, job.engine, signals or Signals()
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = run_dir / "metrics.jsonl"
+    collate = job.data.collate  # padded data: the corpus pads each batch
+    with refused("loader", job.record):
+        train = build_loader(job.data.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
+                             rank=engine.rank, world=engine.world_size, collate_fn=collate, **vars(s.loader))
+    epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
+    micro_batch = small_data(len(job.data.train) if hasattr(job.data.train, "__len__") else None,
+                             s.batch_size, s.accum_steps, engine.world_size)  # warned when the data is smaller
+    eval_batches = held_out(job)
+    with refused("optim", job.record):
+        optimizer = job.optim.build(job.model)
+    with refused("schedule", job.record):
+        scheduler = job.schedule.build(optimizer, s.max_steps)
+    job.model, optimizer, max_grad_norm = engine.prepare(job.model, optimizer, s)
+    saving = run_dir is not None and s.checkpoint.enabled  # checkpoint.enabled=false: none at all
+    checkpoints = Checkpoints(run_dir / "checkpoints" if saving else None, s.checkpoint.every_steps, s.checkpoint.keep,
+                              s.max_bad_steps, job.record.config if run_dir else None, engine.is_main, engine,
+                              check_every=s.log_every)
+    checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
+                     precision=job.precision, epochs=epochs, preemption=signals)
+    logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
+    if s.resume:  # the Python API refuses resume without run_dir before building anything
+        resume(checkpoints, state, s.resume, run_dir)
+    if engine.is_main and run_dir is not None:
+        write_atomic(run_dir / "config.yaml", job.record.text)
+        job.data.save(run_dir)  # e.g. labels.json
+    telemetry = Telemetry(metrics, log_every=s.log_every, total_steps=s.max_steps, device=engine.device,
+                          enabled=engine.is_main, progress=s.progress, **mfu_settings(job),
+                          logger=job.logger if engine.is_main else None,
+                          run=Run(run_dir or Path(metrics or ".").parent, job.record.config,
+                                  job.record.name or (run_dir or Path.cwd()).name, job.record.group,
+                                  state.step, logged if state.step else {}))
+    telemetry.resumed_from = state.step or None
+    telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+    telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
+    ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
+    log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
+             "optimizer %s", type(engine.unwrap(job.model)).__name__,
+             sum(p.numel() for p in job.model.parameters()) / 1e6, engine.device, state.step + 1, s.max_steps,
+             micro_batch, s.accum_steps, ranks, job.precision.name, type(optimizer).__name__)
+    first_step = state.step  # a resumed run that had already finished evaluates nothing again
+    trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
+    with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
+        try:
+            fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
+                precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
+                max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
+                eval_data=eval_batches or None, eval_every=s.eval_every, evaluator=job.evaluation,
+                checkpoints=checkpoints, state=state)
+            trained.model = job.model
+            if state.preempted:
+                telemetry.finish("preempted", artefacts(run_dir) if run_dir else {})
+                report_stop(signals, state, job.record, run_dir, saved=checkpoints.root is not None,
+                            main=engine.is_main)
+                return trained
+            if eval_batches and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
+                telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
+                                                          job.precision, engine))
+            checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
+            if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
+                telemetry.write({"step": state.step, **job.compile.report()})
+            if run_dir is not None and export:  # model.safetensors, hf/ for a transformers model, or the adapter
+                job.peft.save(job.model, run_dir, engine, job.data)  # every rank: ZeRO-3 and FSDP gather
+            telemetry.finish("finished", artefacts(run_dir) if run_dir else ({"metrics": str(metrics)} if metrics else {}))
+        finally:
+            telemetry.close()  # trackers not finished above end as failed
+        if engine.is_main and run_dir is not None:
+            end_of_run_plot(run_dir)  # loss.png, with matplotlib (LOOPLIB_PLOT=0: none)
+        if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
+            with signals.at_once():  # a signal stops the sample at once; the run ends as finished
+                print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints
+    trained.eval_loss = telemetry.last_row.get("eval_loss")
+    if run_dir is not None:
+        log.info("done: %s", run_dir)
+    return trained
+
+
+def held_out(job: Job) -> list:
+    """The first ``eval_batches`` batches of the held-out split (the same ones at every evaluation)."""
+    s, engine = job.settings, job.engine
+    if not s.eval_batches or job.data.eval is None:
+        return []
+    loader = build_loader(job.data.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
+                          device=engine.device, collate_fn=job.data.collate)
+    batches = [b for _, b in zip(range(s.eval_batches), loader)]
+    if not batches:
+        log.warning("the held-out split yields no batch (%d sequences for batch_size=%d): no evaluation",
+                    len(job.data.eval), s.batch_size)
+    return batches
+
+
+def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Path | None, saved: bool,
+                main: bool) -> None:
+    """The run stopped early on a signal, after saving: say how to continue (rank 0 only)."""
+    if not main:
+        return
+    if signals.signum is None and signals.reason:  # the run's own stop (a sweep's pruner): nothing to continue
+        log.warning("stopped at step %d: %s%s", state.step, signals.reason, "; checkpoint saved" if saved else "")
+        return
+    what = "interrupted (Ctrl-C)" if signals.status == EXIT_INTERRUPTED else f"preempted ({signals.name})"
+    if not saved:
+        log.warning("%s at step %d: no checkpoints (checkpoint.enabled=false or no run directory), so nothing "
+                    "was saved", what, state.step)
+        return
+    log.warning("%s at step %d: checkpoint saved. Continue with: %s", what, state.step,
+                record.resume_hint.format(run_dir=shlex.quote(str(run_dir))))
+
+
+def mfu_settings(job: Job) -> dict:
+    """FLOPs of one training sample (bundled models know theirs) and the device's peak."""
+    flops = getattr(job.engine.unwrap(job.model), "flops_per_sequence", None)
+    return {"flops_per_sample": flops() if flops else None,
+            "peak_flops": peak_flops(job.engine.device, job.precision.name, job.settings.peak_tflops)}
+
+
+def print_sample(job: Job, n_tokens: int, run_dir: Path | None = None) -> None:
+    """A sample from the trained model: printed, and saved as ``<run dir>/sample.txt``."""
+    log.info("sampling %d tokens from the trained model", n_tokens)
+    prompt = job.data.sample_prompt()
+    ids = torch.tensor([job.data.encode(prompt)], device=job.engine.device)
+    gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
+    with job.precision.autocast():
+        out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen)
+    text = job.data.decode(out[0].tolist())
+    if job.engine.is_main:
+        print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)
+        if run_dir is not None:
+            write_atomic(run_dir / "sample.txt", text + "\n")
