@@ -17,6 +17,7 @@ One row per group says what a newcomer (and the code) needs to know about it:
     stage     ``strategy``: cheap to build, built first and checked before anything else;
               ``expensive``: built after every check passed (the data, the model);
               ``trackers``: several named options at once (``+logger=[a,b]``), not in the saved config
+    calls     what looplib calls on its objects (docs/extending.md's table)
 
 From the rows come: ``looplib.run.assembly.Parts`` (its attributes), ``train_model``'s check of
 its strategy arguments, the config a run saves, the command line's groups, their defaults and
@@ -25,7 +26,9 @@ Adding a group is one module, one ``conf/<group>/`` folder and one row here (doc
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Callable, Literal
 
 from torch import nn
@@ -54,6 +57,7 @@ class Group:
     part: str
     tuned: Literal["", "exact", "numerics"] = ""
     stage: Literal["strategy", "expensive", "trackers"] = "strategy"
+    calls: str = ""  # what looplib calls on its objects: the contract a class of one's own keeps (docs)
 
     @property
     def spelled(self) -> str:
@@ -67,18 +71,42 @@ def made(cls: type) -> Callable[[Any], Any]:
 
 
 GROUPS: list[Group] = [
-    Group("model", nn.Module, None, "tiny", False, "model", "model", stage="expensive"),
-    Group("data", Corpus, None, "pysource", False, "dataset", "data", stage="expensive"),
-    Group("checkpointing", Checkpointing, made(Checkpointing), "none", True, "checkpointing", "checkpointing", "exact"),
-    Group("compile", Compile, made(Compile), "none", True, "compile", "compile", "exact"),
-    Group("loss", object, made(TokenCrossEntropy), "lm", False, "objective", "objective", "exact"),
-    Group("engine", Engine, lambda settings: Engine(settings.device), "local", True, "engine", "engine", "exact"),
-    Group("precision", Precision, made(Precision), "fp32", True, "precision", "precision", "numerics"),
-    Group("optim", OptimizerFactory, made(AdamW), "adamw", True, "optim", "optim", "numerics"),
-    Group("schedule", Schedule, made(Schedule), "constant", True, "schedule", "schedule"),
-    Group("peft", FullModel, made(FullModel), "none", True, "peft", "peft"),
-    Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation"),
-    Group("logger", Logger, made(Logger), None, True, "logger", "logger", stage="trackers"),
+    Group("model", nn.Module, None, "tiny", False, "model", "model", stage="expensive", calls=(
+        '`model(batch["input_ids"])` -> logits (by the LM losses); optional `generate(ids, n, generator=)` for the '
+        "end-of-run sample; a `seq_len` key that data configs read as `${model.seq_len}`")),
+    Group("data", Corpus, None, "pysource", False, "dataset", "data", stage="expensive", calls=(
+        "`.train`, `.eval`: map-style datasets of dict samples; `encode(text)`, `decode(ids)`; a `vocab_size` key "
+        "that model configs read as `${data.vocab_size}` ([data.md](data.md))")),
+    Group("checkpointing", Checkpointing, made(Checkpointing), "none", True, "checkpointing", "checkpointing", "exact",
+          calls="`apply(model) -> model` (activation checkpointing: recompute chosen blocks in backward; not saved "
+                "checkpoints, see [memory.md](memory.md))"),
+    Group("compile", Compile, made(Compile), "none", True, "compile", "compile", "exact",
+          calls="`wrap(model) -> model`, after the model is on its device"),
+    Group("loss", object, made(TokenCrossEntropy), "lm", False, "objective", "objective", "exact", calls=(
+        "`__call__(model, batch)` -> the loss **summed** over the batch's items; `count(batch)` -> how many items, "
+        "on the host batch")),
+    Group("engine", Engine, lambda settings: Engine(settings.device), "local", True, "engine", "engine", "exact", calls=(
+        "`precision_for(precision)` and `check(...)` at assembly, `setup(model)`, `prepare(model, optimizer, "
+        "settings)`; in the loop `to_device(batch)`, `accumulating(model, last)`, `global_items(items)`; "
+        "`mean_across_ranks`, `full_weights`/`export_weights`, `close()` ([engines.md](engines.md))")),
+    Group("precision", Precision, made(Precision), "fp32", True, "precision", "precision", "numerics", calls=(
+        "`setup(device)` once; per micro-batch `autocast()` (a context for forward and loss) and `backward(loss)`; "
+        "per step `unscale(optimizer)` then `step(optimizer, grad_norm)`; `state_dict()`/`load_state_dict()`; "
+        "`close()` at the end")),
+    Group("optim", OptimizerFactory, made(AdamW), "adamw", True, "optim", "optim", "numerics", calls=(
+        "`build(model) -> torch.optim.Optimizer`; override `create(groups)` and get looplib's parameter groups "
+        "(weights decay; biases, norms, embeddings and frozen parameters do not)")),
+    Group("schedule", Schedule, made(Schedule), "constant", True, "schedule", "schedule",
+          calls="`build(optimizer, total_steps)`; override `factor(step, total_steps)` (a multiplier of lr)"),
+    Group("peft", FullModel, made(FullModel), "none", True, "peft", "peft",
+          calls="`wrap(model) -> model` before the model moves to its device; `save(model, run_dir)` at the end"),
+    Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation",
+          calls="`__call__(model, batches, objective, precision, engine) -> float` (mean loss per item)"),
+    Group("logger", Logger, made(Logger), None, True, "logger", "logger", stage="trackers", calls=(
+        "`start(run)` once (`run.dir`, `run.config`, `run.name`, `run.group`: the sweep, `run.resumed_from`); "
+        "`log(row)` per metrics row; `finish(status, artefacts)` once (`finished`/`preempted`/`failed`, "
+        "`{name: path}`); rank 0 only; several at once: `'+logger=[tensorboard,mlflow]'` "
+        "([run-directory.md](run-directory.md#trackers-tensorboard-mlflow-wb))")),
 ]
 
 
@@ -110,7 +138,22 @@ def tuned(kind: str | None = None) -> list[str]:
 
 
 def base_name(row: Group) -> str:
-    return "any object" if row.base is object else f"{row.base.__module__}.{row.base.__qualname__}"
+    """The shortest public path of the row's base class (``looplib.data.Corpus``, ``torch.nn.Module``)."""
+    if row.base is object:
+        return "any object"
+    module = row.base.__module__
+    while "." in module and getattr(importlib.import_module(module.rsplit(".", 1)[0]), row.base.__qualname__, None) \
+            is row.base:
+        module = module.rsplit(".", 1)[0]
+    return f"{module}.{row.base.__qualname__}"
+
+
+def options(name: str) -> list[str]:
+    """The options of a group as shipped (the files of ``conf/<name>/``), its default first."""
+    folder = resources.files("looplib.conf") / name
+    found = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    default = group(name).option if name in {g.name for g in GROUPS} else None
+    return sorted(found, key=lambda o: o != default)
 
 
 def null_name(row: Group, settings: Any = None) -> str:
@@ -121,11 +164,13 @@ def null_name(row: Group, settings: Any = None) -> str:
     return type(row.null(settings)).__qualname__ + "()"
 
 
-def markdown_table(options: Callable[[str], list[str]]) -> list[str]:
-    """docs/extending.md's table of groups (``options(name)``: the group's option names)."""
-    rows = ["| group | options | base class | absent | `train_model` | tune |", "|---|---|---|---|---|---|"]
-    for g in GROUPS:
-        listed = ", ".join(f"`{o}`" for o in options(g.name)) or "-"
+def markdown_table(rows: list[Group] | None = None, listed: Callable[[str], list[str]] = options) -> list[str]:
+    """docs/extending.md's table of groups, one line per row (``listed(name)``: a group's option names)."""
+    out = ["| group | options | base class | absent | `train_model` | tune | what looplib calls |",
+           "|---|---|---|---|---|---|---|"]
+    for g in GROUPS if rows is None else rows:
+        names = ", ".join(f"`{o}`" for o in listed(g.name)) or "-"
         tune = {"exact": "searched", "numerics": "with `tune.numerics=allow`", "": "-"}[g.tuned]
-        rows.append(f"| `{g.spelled}` | {listed} | `{base_name(g)}` | {null_name(g)} | `{g.argument}=` | {tune} |")
-    return rows
+        out.append(f"| `{g.spelled}` | {names} | `{base_name(g)}` | {null_name(g)} | `{g.argument}=` | {tune} | "
+                   f"{g.calls} |")
+    return out

@@ -53,22 +53,27 @@ NAMES: dict[tuple[str, str], str] = {
     ("looplib.plan", "build_plan"): "looplib.cli.plan",
     ("looplib.plan", "main"): "looplib.cli.plan",
     ("looplib.loggers", "build"): "looplib.cli.instantiate",
+    ("looplib.optim", "Schedule"): "looplib.schedule",
+    ("looplib.optim", "Constant"): "looplib.schedule",
+    ("looplib.optim", "WarmupCosine"): "looplib.schedule",
 }
 RENAMED = {("looplib.loggers", "build"): "build_loggers", ("looplib.assemble", "run"): "train"}
 
 
-def warn(old: str, new: str) -> None:
+def warn(old: str, found, stacklevel: int) -> None:
+    """Say where ``old`` (a dotted name) lives now: where the object ``found`` was defined."""
+    new = f"{found.__module__}.{found.__qualname__}" if hasattr(found, "__qualname__") else old
     warnings.warn(f"{old} has moved to {new}; the old path goes in the next release (docs/extending.md)",
-                  FutureWarning, stacklevel=3)
+                  FutureWarning, stacklevel=stacklevel)
 
 
 def attribute(module: str, name: str):
     """``module.name`` for a module's ``__getattr__``: a name that moved away, found where it is now."""
     if (module, name) not in NAMES:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    new_module, new_name = NAMES[module, name], RENAMED.get((module, name), name)
-    warn(f"{module}.{name}", f"{new_module}.{new_name}")
-    return getattr(importlib.import_module(new_module), new_name)
+    found = getattr(importlib.import_module(NAMES[module, name]), RENAMED.get((module, name), name))
+    warn(f"{module}.{name}", found, stacklevel=4)  # the caller of the module's __getattr__
+    return found
 
 
 class OldModule(types.ModuleType):
@@ -81,8 +86,9 @@ class OldModule(types.ModuleType):
         for new in MODULES[self.__name__]:
             module = importlib.import_module(new)
             if hasattr(module, wanted):
-                warn(f"{self.__name__}.{name}", f"{new}.{wanted}")
-                return getattr(module, wanted)
+                found = getattr(module, wanted)
+                warn(f"{self.__name__}.{name}", found, stacklevel=3)
+                return found
         raise AttributeError(f"module {self.__name__!r} (now {', '.join(MODULES[self.__name__])}) has no "
                              f"attribute {name!r}")
 
@@ -95,8 +101,7 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.machinery.ModuleSpec(fullname, self)
         return None
 
-    def create_module(self, spec):
-        warn(spec.name, " and ".join(MODULES[spec.name]))
+    def create_module(self, spec):  # each name used through it warns (OldModule.__getattr__)
         return OldModule(spec.name, f"the old path of {', '.join(MODULES[spec.name])}")
 
     def exec_module(self, module):

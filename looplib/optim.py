@@ -191,12 +191,14 @@ def list_optimizers() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-# the schedules' old import path (conf/schedule names looplib.schedule now)
-from .schedule import Constant, Schedule, WarmupCosine  # noqa: E402,F401
-
-
 def built_class(factory: "OptimizerFactory") -> type:
     """The optimizer class a factory builds (engines check where it runs), found on a throwaway
     module without consuming randomness: the run's seeded initialisation stays as it was."""
     with torch.random.fork_rng(devices=[]):
         return type(factory.build(torch.nn.Linear(1, 1)))
+
+
+def __getattr__(name: str):
+    """The schedules' old import path (``looplib.optim.WarmupCosine``): found in ``looplib.schedule``, with a warning."""
+    from .moved import attribute
+    return attribute(__name__, name)

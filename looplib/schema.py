@@ -102,7 +102,7 @@ def conform(key: str, value: Any, hint: Any) -> None:
             except Refused as r:
                 refusals.append(r)
         in_kind = [r for r in refusals if r.in_kind]  # right type, wrong value: the useful sentence
-        raise in_kind[0] if in_kind else Refused(f"{key}={show(value)} is not {describe(hint)}")
+        raise in_kind[0] if in_kind else Refused(f"{key}={show(value)} is not {describe_type(hint)}")
     if origin is Literal:
         if not any(type(value) is type(choice) and value == choice for choice in args):
             raise Refused(f"{key}={show(value)} is not one of {describe_choices(args)}")
@@ -120,8 +120,8 @@ def conform(key: str, value: Any, hint: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
             quoted = isinstance(value, str) and parses_as_number(value)
             if whole and isinstance(value, float) and value.is_integer():  # max_steps=1e3 reads as 1000.0
-                raise Refused(f"{key}={show(value)} is a float, not {describe(hint)} (write {key}={int(value)})", in_kind=True)
-            raise Refused(f"{key}={show(value)} is {'a string, ' if quoted else ''}not {describe(hint)}"
+                raise Refused(f"{key}={show(value)} is a float, not {describe_type(hint)} (write {key}={int(value)})", in_kind=True)
+            raise Refused(f"{key}={show(value)} is {'a string, ' if quoted else ''}not {describe_type(hint)}"
                           + (" (write it without quotes)" if quoted else ""))
         if not whole and not math.isfinite(value):
             raise Refused(f"{key} must be a finite number (got {key}={show(value)})", in_kind=True)
@@ -132,10 +132,10 @@ def conform(key: str, value: Any, hint: Any) -> None:
         return
     if origin in (list, tuple) or hint in (list, tuple) or origin in SEQUENCES:
         if not isinstance(value, (list, tuple)):
-            raise Refused(f"{key}={show(value)} is not {describe(hint)}")
+            raise Refused(f"{key}={show(value)} is not {describe_type(hint)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise Refused(f"{key}={show(value)} is not {describe(hint)}")
+                raise Refused(f"{key}={show(value)} is not {describe_type(hint)}")
             items = list(zip(value, args))
         else:
             items = [(v, args[0] if args else Any) for v in value]
@@ -170,17 +170,17 @@ WORDS = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"
          str: ("a string", "strings"), type(None): ("null", "nulls")}
 
 
-def describe(hint: Any, plural: bool = False) -> str:
+def describe_type(hint: Any, plural: bool = False) -> str:
     """``hint`` in words: 'a number > 0', 'a list of 2 numbers >= 0 and < 1', 'one of auto, true or false'."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
         bounds = [b for mark in args[1:] if isinstance(mark, Range) for b in mark.bounds()]
-        return describe(args[0], plural) + (" " + " and ".join(bounds) if bounds else "")
+        return describe_type(args[0], plural) + (" " + " and ".join(bounds) if bounds else "")
     if origin in (Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
         choices = [c for a in members if typing.get_origin(a) is Literal for c in typing.get_args(a)]
         choices += [c for a in members if a is bool for c in (True, False)]
-        others = list(dict.fromkeys(describe(a, plural) for a in members  # list[str] | tuple[str, ...]: said once
+        others = list(dict.fromkeys(describe_type(a, plural) for a in members  # list[str] | tuple[str, ...]: said once
                                     if typing.get_origin(a) is not Literal and a is not bool))
         words = others + ([("one of " if not others else "") + describe_choices(choices)] if choices else [])
         return " or ".join(words) + (" (or null)" if type(None) in args else "")
@@ -189,9 +189,9 @@ def describe(hint: Any, plural: bool = False) -> str:
     if origin in (list, tuple) or origin in SEQUENCES or hint in (list, tuple):
         if origin is tuple and args and args[-1] is not Ellipsis:
             same = all(a == args[0] for a in args)
-            inner = describe(args[0], plural=True) if same else ", ".join(describe(a) for a in args)
+            inner = describe_type(args[0], plural=True) if same else ", ".join(describe_type(a) for a in args)
             return f"a list of {len(args)} {inner}" if same else f"a list of ({inner})"
-        return f"a list of {describe(args[0], plural=True)}" if args else "a list"
+        return f"a list of {describe_type(args[0], plural=True)}" if args else "a list"
     if hint in WORDS:
         return WORDS[hint][plural]
     return getattr(hint, "__name__", str(hint))
@@ -318,7 +318,7 @@ def check_options(prefix: str, target: Any, options: dict, said: str = "") -> No
 
 
 def advice(key: str, p: Param) -> str:
-    text = f"use {describe(p.hint)}"
+    text = f"use {describe_type(p.hint)}"
     if not p.required and not isinstance(p.default, (dict, set)) and p.default not in ((), [], ""):
         text += f", e.g. {key}={cli(p.default)} (the default)"
     return text

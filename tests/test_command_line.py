@@ -105,6 +105,41 @@ def test_hydras_refusals_are_one_line_exit_2_nothing_written(tmp_path, monkeypat
     assert everything(tmp_path) == []
 
 
+@pytest.mark.parametrize("value", [None, "0"], ids=["unset", "0"])
+def test_hydra_full_error_unset_or_0_is_looplibs_one_line(tmp_path, monkeypatch, capsys, value):
+    """HYDRA_FULL_ERROR keeps Hydra's meaning: unset or 0 (Hydra's default), looplib's line and exit 2;
+    looplib never changes the variable."""
+    from looplib import cli
+    from looplib.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    if value is None:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    else:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", value)
+    for args, start in ((["max_step=3"], "max_step: max_step is not a setting; did you mean max_steps?"),
+                        (["model=nonexistent"], "model: there is no option 'nonexistent'")):
+        with pytest.raises(SystemExit) as stop:
+            cli.run(main, [*args, "data=random"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and lines(err) == [lines(err)[0]] and err.startswith(f"looplib: error: {start}"), err
+        assert os.environ.get("HYDRA_FULL_ERROR") == value
+    assert everything(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["/proc/looplib-x", "FILE/sub"])
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys, where):
+    from looplib import cli
+    from looplib.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("a file")
+    with pytest.raises(SystemExit) as stop:
+        cli.run(main, [f"hydra.run.dir={where}", "data=random"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(lines(err)) == 1 and "Traceback" not in err, err
+    assert err.startswith("looplib: error: hydra.run.dir: cannot "), err
+    assert everything(tmp_path) == ["FILE"]
+
+
 def test_hydra_full_error_still_shows_hydras_report(tmp_path, monkeypatch, capsys):
     from hydra.errors import MissingConfigException
 

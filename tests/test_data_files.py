@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from looplib import optim as lo
+from looplib.schedule import WarmupCosine
 from looplib.accumulation import Accumulation
 from looplib.data.cache import load
 from looplib.data import (ClassificationCorpus, Epochs, InstructCorpus, RandomCorpus, TextCorpus, build_loader,
@@ -337,7 +338,7 @@ def test_resume_mid_epoch_on_file_data_is_bitwise_exact(tmp_path, tok_file, tok)
         rows, telemetry = [], Telemetry(enabled=False, log_every=1)
         telemetry.write = rows.append
         ckpt = Checkpoints(root, every_steps=3, keep=2, max_bad_steps=0, config={"a": 1})
-        scheduler, precision = lo.WarmupCosine(warmup_steps=2).build(optimizer, 7), FP32()
+        scheduler, precision = WarmupCosine(warmup_steps=2).build(optimizer, 7), FP32()
         ckpt.bind(model=model, optimizer=optimizer, scheduler=scheduler, precision=precision, epochs=epochs)
         kw = dict(objective=TokenCrossEntropy(), optimizer=optimizer, scheduler=scheduler, precision=precision,
                   accumulation=Accumulation(2), telemetry=telemetry, checkpoints=ckpt)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from looplib import optim as lo
+from looplib.schedule import WarmupCosine
 from looplib import precision as prec
 from looplib.accumulation import Accumulation
 from looplib.data import Epochs, build_loader
@@ -60,7 +61,7 @@ def session(prec_name, opt_name, root, seed, every=0, objective=None, max_bad=0)
     precision = PRECISIONS[prec_name]()
     precision.setup("cpu")
     optimizer = OPTIMIZERS[opt_name]().build(model)
-    scheduler = lo.WarmupCosine(warmup_steps=2).build(optimizer, STEPS)
+    scheduler = WarmupCosine(warmup_steps=2).build(optimizer, STEPS)
     epochs = Epochs(build_loader(random_tokens(n=N_SEQ), batch_size=MICRO, seed=5))
     rows = []
     telemetry = Telemetry(enabled=False, log_every=1)

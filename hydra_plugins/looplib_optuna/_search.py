@@ -87,7 +87,7 @@ def grid_points(name: str, dist: optuna.distributions.BaseDistribution) -> list:
            f"use {name}=choice(...) or {name}=range(start,stop,step), or another sampler (tpe, random)")
 
 
-class Search:
+class StudySearch:
     """One sweep: its checked settings, its study, and the loop that runs its trials."""
 
     def __init__(self, config: DictConfig, arguments: list[str], *, sampler, direction, storage, study_name,

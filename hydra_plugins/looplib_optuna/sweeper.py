@@ -34,8 +34,8 @@ class OptunaSweeper(Sweeper):
 
     def sweep(self, arguments: List[str]) -> Any:
         try:
-            from ._search import Search
-            search = Search(self.config, arguments, **self.settings)
+            from ._search import StudySearch
+            search = StudySearch(self.config, arguments, **self.settings)
         except ImportError as err:  # one line, exit 2, as for every setting looplib refuses
             import sys
             from looplib.errors import EXIT_CONFIG, ConfigError

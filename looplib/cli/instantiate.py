@@ -30,9 +30,8 @@ register_resolvers()  # the ${looplib.*} resolvers the conf/ files use (composin
 
 
 def group_names(cfg: DictConfig) -> set[str]:
-    """Every config group: a folder of looplib's conf/ (hydra/ aside), or one a --config-dir adds."""
-    names = {p.name for p in resources.files("looplib.conf").iterdir()
-             if p.is_dir() and p.name not in ("hydra", "__pycache__")}
+    """Every config group: a row of ``looplib.groups``, or one a --config-dir adds."""
+    names = {row.name for row in groups.groups()}
     hydra_cfg = hydra_config()
     if hydra_cfg is not None:
         names |= {g for g in hydra_cfg.runtime.choices if not g.startswith("hydra")}

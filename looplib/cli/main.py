@@ -35,7 +35,8 @@ def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
     # +logger= choices, and in a pruned search the trial's reporter (looplib.cli.sweep)
     trackers = Loggers(build_loggers(cfg), *sweep.reporting(cfg))
-    built = {row.part: instantiate(cfg, row.name) for row in strategies()}
+    # a group absent from the config (one with no default file) is its null object (Parts.fill)
+    built = {row.part: instantiate(cfg, row.name) for row in strategies() if cfg.get(row.name) is not None}
 
     def later() -> dict:
         torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded

@@ -188,7 +188,8 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
                 del cfg["hydra"]
             check_config(cfg)
             for row in strategies():  # built, not set up: no device is touched
-                instantiate(cfg, row.name)
+                if cfg.get(row.name) is not None:
+                    instantiate(cfg, row.name)
         except ConfigError as err:
             raise ConfigError(err.key, f"{err.problem} (in job {n} of the {len(jobs)}: {' '.join(job)})",
                               f"{err.fix}; no job of the sweep has run") from None

@@ -97,7 +97,7 @@ class FileCorpus(Corpus):
                         pending, chars = [], 0
                 self.write(writer, pending)
             if writer.documents == 0:
-                raise ConfigError(key, f"{describe(files)} holds no text (every file or record is empty)",
+                raise ConfigError(key, f"{describe_files(files)} holds no text (every file or record is empty)",
                                   "give files with text in them")
 
         return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=self.kind == "instruct")
@@ -179,14 +179,14 @@ def split_documents(n: int, fraction: float, seed: int, path) -> tuple[np.ndarra
     documents (none in both), as sorted indices."""
     n_eval = 0 if fraction == 0 else max(1, round(n * fraction))
     if n_eval >= n:
-        raise ConfigError("data.eval_fraction", f"{describe(path)} holds {n} document(s): none would be left for "
+        raise ConfigError("data.eval_fraction", f"{describe_files(path)} holds {n} document(s): none would be left for "
                           f"training after holding out {n_eval}",
                           "give more files or records, data.eval_path=FILE, or data.eval_fraction=0")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     return np.sort(order[n_eval:]), np.sort(order[:n_eval])
 
 
-def describe(path) -> str:
+def describe_files(path) -> str:
     if isinstance(path, (list, tuple)) or hasattr(path, "__iter__") and not isinstance(path, str):
         items = [str(p) for p in path]
         return items[0] if len(items) == 1 else f"{items[0]} and {len(items) - 1} more"

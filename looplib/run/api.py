@@ -43,9 +43,10 @@ from ..evaluation import Evaluation
 from ..groups import Group, groups
 from ..loggers import Logger
 from ..loss import TokenCrossEntropy
-from ..optim import OptimizerFactory, Schedule
+from ..optim import OptimizerFactory
 from ..peft import FullModel
 from ..precision import Precision
+from ..schedule import Schedule
 from .assembly import Parts, Record, Trained
 from .lifecycle import execute
 from .rundir import check as check_run_dir
