@@ -3,7 +3,10 @@
 The sampler's position *is* the data position: an ``EpochSampler`` at (epoch, start) yields
 the same indices in every process and after every resume, and every dataset in this package
 maps an index to the same sample every time (windows, examples and packs are fixed when the
-corpus is built), so exact resume needs nothing but (epoch, batches seen).
+corpus is built), so exact resume needs nothing but (epoch, samples consumed). Ranks read the
+epoch's permutation in turns, so after any number of micro-batches the samples consumed over all
+ranks are a prefix of it: the position in samples holds on any number of processes
+(``Epochs.position`` / ``Epochs.restore``).
 """
 from __future__ import annotations
 
@@ -20,12 +23,17 @@ from ..errors import ConfigError
 class EpochSampler(Sampler[int]):
     """Indices of one epoch: a permutation seeded by (seed, epoch), split across ranks.
 
-    Each rank takes every ``world``-th index of the same permutation (as DistributedSampler
-    does); ``start`` skips indices already consumed this epoch, for exact resume.
+    Each rank takes every ``world``-th index of the first ``keep`` of the same permutation (as
+    DistributedSampler does); ``start`` skips indices already consumed this epoch, for exact
+    resume. ``keep``: the samples each epoch trains on, all ranks together (default: ``n`` less
+    the ``n % world`` left over, so every rank reads as many); a run resumed on another number
+    of processes keeps its first run's, so its epochs hold the same samples.
     """
 
-    def __init__(self, n: int, *, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+    def __init__(self, n: int, *, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1,
+                 keep: int | None = None):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        self.keep = n - n % world if keep is None else keep
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -40,7 +48,12 @@ class EpochSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
-        return order[self.rank::self.world][: self.n // self.world]
+        return order[: self.per_rank * self.world][self.rank::self.world]
+
+    @property
+    def per_rank(self) -> int:
+        """Samples each rank reads in a whole epoch."""
+        return min(self.keep, self.n) // self.world
 
     def __iter__(self) -> Iterator[int]:
         # a tensor handed out in slices: millions of windows never become one list of Python ints
@@ -48,7 +61,7 @@ class EpochSampler(Sampler[int]):
         return (i for chunk in rest.split(1 << 16) for i in chunk.tolist())
 
     def __len__(self) -> int:
-        return self.n // self.world - self.start
+        return max(0, self.per_rank - self.start)
 
 
 class Epochs:
@@ -76,6 +89,43 @@ class Epochs:
             if whole and self.batches_seen == 0:  # an endless stream of empty epochs would spin forever
                 raise empty_epoch(self.loader)
             self.epoch, self.batches_seen = self.epoch + 1, 0
+
+    def position(self) -> dict:
+        """Where the stream is: epoch and micro-batches read this epoch (per rank) and, for a
+        loader with an ``EpochSampler``, the samples read this epoch over all ranks (a prefix of
+        the epoch's permutation) and the epoch's size (``keep``): what a resume on another
+        number of processes continues from."""
+        position = {"epoch": self.epoch, "batches_seen": self.batches_seen}
+        sampler, batch = getattr(self.loader, "sampler", None), getattr(self.loader, "batch_size", None)
+        if isinstance(sampler, EpochSampler) and batch:
+            position["samples"] = min(self.batches_seen * batch, sampler.per_rank) * sampler.world
+            position["epoch_samples"] = sampler.keep
+        return position
+
+    def restore(self, position: dict, world: int | None = None, batch_size: int | None = None) -> None:
+        """Continue from ``position`` (``position()`` of a run on any number of processes, with
+        any micro-batch): the same sample of the same epoch's permutation. ``world`` and
+        ``batch_size``: those it was saved with, for a position that counts micro-batches only
+        (written before positions counted samples; None: this run's)."""
+        self.epoch, self.batches_seen = position["epoch"], position["batches_seen"]
+        sampler, batch = getattr(self.loader, "sampler", None), getattr(self.loader, "batch_size", None)
+        if not isinstance(sampler, EpochSampler) or not batch:
+            return
+        samples, keep = position.get("samples"), position.get("epoch_samples")
+        if samples is None:  # micro-batches of the world it was saved on
+            world, batch_size = world or sampler.world, batch_size or batch
+            keep = sampler.n - sampler.n % world
+            samples = min(position["batches_seen"] * batch_size, keep // world) * world
+        sampler.keep = keep
+        per_step = batch * sampler.world
+        if samples >= keep:  # the epoch was read to its end: the next one comes next
+            self.batches_seen = -(-sampler.per_rank // batch)
+        elif samples % per_step:
+            raise ConfigError("batch_size", f"the checkpoint stands at sample {samples} of its epoch, which is not a "
+                              f"whole number of micro-batches of {batch} x {sampler.world} process(es)",
+                              "keep the global batch and choose a micro-batch that divides it")
+        else:
+            self.batches_seen = samples // per_step
 
     def _count(self, loader):
         t0 = time.perf_counter()

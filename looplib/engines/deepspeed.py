@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -103,6 +103,7 @@ class DeepSpeed(Distributed):
     """
 
     own_checkpoints = True  # DeepSpeed's own format: ZeRO partitions per rank
+    checkpoint_format = "deepspeed"
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
 
     def __init__(self, device: str | torch.device = "auto", stage: Literal[0, 1, 2, 3] = 2, offload_optimizer: Offload = "none",
@@ -116,6 +117,7 @@ class DeepSpeed(Distributed):
         self.steps = None         # the optimizer as the loop sees it (StepHooks), once prepared
         self.chosen = None        # the loop's precision on this engine (DeepSpeedPrecision), from precision_for
         self.derived: dict = {}
+        self._universal = False   # resume through a universal checkpoint (another number of processes)
 
     # ---------------------------------------------------------------- build-time checks
 
@@ -225,6 +227,7 @@ class DeepSpeed(Distributed):
             "zero_allow_untested_optimizer": True,          # the optimizer is built by looplib's optim group
             "steps_per_print": 2**31 - 1,                   # looplib's telemetry reports progress
             **self.precision_sections(precision),
+            **({"checkpoint": {"load_universal": True}} if self._universal else {}),
         }
         return merge(derived, self.raw)
 
@@ -284,12 +287,65 @@ class DeepSpeed(Distributed):
         Every rank calls it."""
         self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
 
+    def resuming(self, checkpoint: Path, saved_world: int) -> None:
+        """ZeRO partitions optimizer state (stage 1-3) or parameters (3) over the processes that
+        saved them: on another number of processes they load through DeepSpeed's universal
+        checkpoint (``load_universal`` in the derived config; ``load_checkpoint`` converts)."""
+        self._universal = saved_world != self.world_size and any(Path(checkpoint).glob("*zero_pp_rank_*"))
+
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state."""
-        path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state.
+        Saved by another number of processes: through a universal checkpoint made from it first."""
+        if self._universal:
+            with universal(Path(directory) / tag, self.is_main, self.world_size) as (root, name):
+                path, client_state = self.ds.load_checkpoint(str(root), tag=name)
+        else:
+            path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         return client_state
+
+
+@contextmanager
+def universal(checkpoint: Path, main: bool, world: int):
+    """DeepSpeed's own universal checkpoint of ``checkpoint`` (``deepspeed.checkpoint.ds_to_universal``:
+    each parameter's fp32 weights and optimizer state whole, which ZeRO partitions again over any
+    number of processes), made by rank 0 in a temporary directory beside it, read by every rank
+    (``(root, tag)`` for ``DeepSpeedEngine.load_checkpoint``), removed afterwards."""
+    import argparse
+    import io
+    import shutil
+    import tempfile
+    import time
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+    made, error = None, None
+    if main:
+        t0 = time.perf_counter()
+        made = Path(tempfile.mkdtemp(dir=checkpoint.parent, prefix=f".tmp-universal-{checkpoint.name}-"))
+        args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(made / checkpoint.name),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)  # one worker: no processes forked from a rank
+        said = io.StringIO()
+        try:
+            with redirect_stdout(said), redirect_stderr(said):  # its progress bars
+                to_universal(args)
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it
+            error = f"{type(err).__name__}: {err}"
+        else:
+            log.info("DeepSpeed: %s made into a universal checkpoint for %d process(es) (ds_to_universal, %.1f s)",
+                     checkpoint.name, world, time.perf_counter() - t0)
+    made, error = launch.broadcast_object((None if made is None else str(made), error))
+    try:
+        if error:
+            raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {checkpoint}: {error}")
+        yield Path(made), checkpoint.name
+        launch.barrier()  # every rank has read it
+    finally:
+        if main and made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 class DeepSpeedPrecision(Precision):

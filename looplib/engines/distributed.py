@@ -29,6 +29,9 @@ class Distributed(Engine):
         return launch.mean_over_ranks(value)
 
     def shared_run_dir(self, run_dir: Path) -> Path:
+        """Rank 0's run directory. Called before anything is built (a resume reads its checkpoint
+        there before the engine is set up), so the process group starts here."""
+        launch.start(self)
         return Path(launch.broadcast_object(str(run_dir)))
 
     def close(self) -> None:

@@ -20,14 +20,14 @@ Who does what:
   over ranks as under DDP (FSDP averages gradients over ranks, as DDP does);
 - clipping runs on the sharded gradients: ``clip_grad_norm_`` returns the global norm;
 - checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its own
-  shards, in parallel), and load onto any number of processes: the run continues from the
-  same global sample, provided the global batch (batch_size x accum_steps x processes) stays;
+  shards, in parallel), and load onto any number of processes, under FSDP or as whole tensors
+  under DDP or the local engine (``looplib.engines.state_dicts``; which changes a resume
+  accepts: ``looplib.run.elastic``);
 - the final weights are gathered into ``model.safetensors`` on rank 0's CPU, one parameter
   at a time from the other ranks' point of view (no rank but 0 ever holds the whole model).
 """
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -44,6 +44,7 @@ from ..schema import Positive
 from . import launch
 from .distributed import Distributed, class_name
 from .local import Prepared
+from .state_dicts import load_full, load_sharded, save_sharded
 
 log = logging.getLogger("looplib")
 
@@ -79,6 +80,7 @@ class FSDP(Distributed):
     """
 
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
+    checkpoint_format = "dcp"
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
 
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
@@ -104,7 +106,6 @@ class FSDP(Distributed):
         self.reshard_after_forward, self.offload, self.reduce_dtype = reshard_after_forward, offload, reduce_dtype
         self.model = self.optimizer = self.precision = None  # what checkpoints save, once prepared
         self.mp_policy = None  # from the precision, in check (or setup)
-        self.geometry: dict = {}
 
     # ---------------------------------------------------------------- build time
 
@@ -180,8 +181,6 @@ class FSDP(Distributed):
 
     def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
         self.model, self.optimizer = model, optimizer
-        self.geometry = {"world_size": self.world_size, "batch_size": settings.batch_size,
-                         "accum_steps": settings.accum_steps}
         return Prepared(model, optimizer, settings.max_grad_norm)
 
     def accumulating(self, model: nn.Module, last: bool):
@@ -209,84 +208,27 @@ class FSDP(Distributed):
     def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
                         tag: str | None = None) -> None:
         """``directory/tag/``: ``shards/`` (torch.distributed.checkpoint: model and optimizer,
-        every rank its own file, written in parallel), ``client.pt`` (rank 0: looplib's step,
-        schedule, RNG, data position, loss scale) and ``fsdp.json`` (the world it was saved on).
-        Every rank calls it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        every rank its own file, written in parallel) and ``client.pt`` (rank 0: looplib's step,
+        schedule, RNG, data position, loss scale). Every rank calls it."""
         path = Path(directory) / (tag or "latest")
         launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path / "shards"))
+        save_sharded(self.model, self.optimizer, path / "shards")
         if self.is_main:
             client = {**(client_state or {}), "precision": self.precision.state_dict()}
             with open(path / "client.pt", "wb") as f:
                 torch.save(client, f)
-            (path / "fsdp.json").write_text(json.dumps(self.geometry, indent=1))
         launch.barrier()  # the manifest (rank 0, next) lists every rank's files
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote, on this run's number of processes: DCP
-        re-shards the tensors; the data position is moved to the same global sample."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+        """Restore what ``save_checkpoint`` wrote, on this run's number of processes (DCP
+        re-shards the tensors); returns the client state (the data position as it was saved)."""
         path = Path(directory) / (tag or "latest")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        loaded = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(loaded, checkpoint_id=str(path / "shards"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"])
+        load_sharded(self.model, self.optimizer, path / "shards")
         # checked with the whole checkpoint (its manifest's checksums) before any of it is loaded
         client = torch.load(path / "client.pt", map_location="cpu", weights_only=True)
         self.precision.load_state_dict(client.pop("precision"))
-        saved = json.loads((path / "fsdp.json").read_text())
-        position = client["position"]
-        position["batches_seen"] = moved_position(position["batches_seen"], saved, self.geometry)
         return client
 
-    def resume_config(self, saved_cfg: dict, now_cfg: dict, path: Path) -> list[str]:
-        """Another number of processes may split the same global batch differently: accept a
-        change of batch_size / accum_steps that keeps batch_size x accum_steps x processes
-        (``saved_cfg`` is updated so the config check passes); refuse one that does not."""
-        if not (Path(path) / "fsdp.json").is_file():  # another engine's checkpoint: the config check refuses it
-            return []
-        saved = json.loads((Path(path) / "fsdp.json").read_text())
-        now = {"world_size": self.world_size, "batch_size": now_cfg.get("batch_size"),
-               "accum_steps": now_cfg.get("accum_steps")}
-        if (saved["world_size"], saved["batch_size"], saved["accum_steps"]) == tuple(now.values()):
-            return []
-        before, after = global_batch(saved), global_batch(now)
-        if before != after:
-            raise ConfigError("batch_size", f"the checkpoint was made by {saved['world_size']} process(es) x "
-                              f"batch_size={saved['batch_size']} x accum_steps={saved['accum_steps']} (global "
-                              f"batch {before}); {now['world_size']} x {now['batch_size']} x {now['accum_steps']} "
-                              f"= {after} would change what the resumed run computes",
-                              f"choose batch_size x accum_steps = {before // now['world_size']} per process"
-                              if before % now["world_size"] == 0 else
-                              f"resume on a number of processes that divides {before}")
-        saved_cfg["batch_size"], saved_cfg["accum_steps"] = now["batch_size"], now["accum_steps"]
-        return [f"processes {saved['world_size']} -> {now['world_size']}, batch_size {saved['batch_size']} -> "
-                f"{now['batch_size']}, accum_steps {saved['accum_steps']} -> {now['accum_steps']} (global batch "
-                f"{before} kept)"]
-
-
-def global_batch(geometry: dict) -> int:
-    return geometry["world_size"] * geometry["batch_size"] * geometry["accum_steps"]
-
-
-def moved_position(batches_seen: int, saved: dict, now: dict) -> int:
-    """Micro-batches per process already read this epoch, for ``now``'s split of the data.
-
-    Every rank reads every ``world``-th sample of the same per-epoch permutation
-    (``looplib.data.EpochSampler``), so after ``k`` micro-batches of ``b`` per rank the first
-    ``k x b x world`` samples of the permutation are consumed, whatever the world size: that
-    global count is the position, and it converts into ``now``'s micro-batches."""
-    consumed = batches_seen * saved["batch_size"] * saved["world_size"]
-    per_batch = now["batch_size"] * now["world_size"]
-    if consumed % per_batch:
-        raise ConfigError("batch_size", f"the checkpoint stands at sample {consumed} of its epoch, which is not a "
-                          f"whole number of micro-batches of {now['batch_size']} x {now['world_size']} process(es)",
-                          "keep the global batch and choose a micro-batch that divides it")
-    return consumed // per_batch
-
+    def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
+        """A checkpoint of the local engine or DDP (whole tensors): every rank keeps its shards."""
+        load_full(model, optimizer, weights, optimizer_state)

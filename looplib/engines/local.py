@@ -47,6 +47,11 @@ class Engine:
     # True: the engine writes and reads the model and optimizer state of a checkpoint itself
     # (``save_checkpoint`` / ``load_checkpoint``: FSDP's and DeepSpeed's sharded formats)
     own_checkpoints = False
+    # How a checkpoint holds model and optimizer state: ``looplib`` (model.safetensors + the
+    # optimizer's state_dict, full tensors), ``dcp`` (torch.distributed.checkpoint shards, FSDP2)
+    # or ``deepspeed`` (DeepSpeed's ZeRO partitions). The local engine, DDP and FSDP read both
+    # looplib's and dcp (looplib.engines.state_dicts); DeepSpeed only its own.
+    checkpoint_format = "looplib"
     several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
     per_process = ("rank", "world_size", "device")  # differ from rank to rank: never part of the saved config
 
@@ -97,6 +102,12 @@ class Engine:
     def close(self) -> None:
         """Tear down what ``setup`` started (a process group, ...)."""
 
+    @property
+    def label(self) -> str:
+        """The engine's name in messages: the ``+engine=`` option (local, ddp, fsdp, deepspeed)."""
+        name = type(self).__name__
+        return "local" if name == "Engine" else name.lower()
+
     def save_checkpoint(self, directory: str | Path, client_state: dict | None = None, tag: str | None = None) -> None:
         """Write model, optimizer and ``client_state`` into ``directory/tag`` in the engine's own
         format (engines with ``own_checkpoints`` only; the others' are written by looplib)."""
@@ -106,11 +117,16 @@ class Engine:
         """Restore what ``save_checkpoint`` wrote; return the client state."""
         raise NotImplementedError(f"{type(self).__name__} does not read checkpoints of its own")
 
-    def resume_config(self, saved_cfg: dict, now_cfg: dict, path: Path) -> list[str]:
-        """Config changes since the checkpoint at ``path`` that this engine accepts (and removes
-        from ``saved_cfg`` before the general check); refuses (``ConfigError``) those it cannot.
-        One process: none of its own."""
-        return []
+    def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
+        """Load looplib's own checkpoint files (``weights``: model.safetensors; the optimizer's
+        ``state_dict()``) into the model and optimizer this engine prepared."""
+        from safetensors.torch import load_model
+        load_model(innermost(model), str(weights))
+        optimizer.load_state_dict(optimizer_state)
+
+    def resuming(self, checkpoint: Path, saved_world: int) -> None:
+        """Told before ``prepare`` which checkpoint the run resumes and how many processes wrote
+        it (DeepSpeed then loads through a universal checkpoint). Nothing to do here."""
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""
@@ -145,6 +161,15 @@ class Engine:
     def global_items(self, items: int) -> int:
         """Loss-bearing items of the window across every rank (one rank: unchanged)."""
         return items
+
+
+def innermost(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def write_safetensors(module, path: Path) -> None:

@@ -28,20 +28,12 @@ import warnings
 
 import torch
 
+from ..engines.local import innermost as unwrap  # noqa: F401 - the user's module inside wrappers
 from ..errors import ConfigError
 
 log = logging.getLogger("looplib")
 
 FORMAT = 1
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
 
 
 def rng_state() -> dict:

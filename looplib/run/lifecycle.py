@@ -1,8 +1,9 @@
 """A run's whole life, in one function: ``execute``. The command line (``looplib.cli.main``) and
 ``train_model`` (``looplib.run.api``) both call it; neither closes, cleans or reports anything itself.
 
-    make the parts (cheap)  ->  check  ->  the expensive parts (data, model)  ->  build
-        ->  the run directory every rank shares  ->  train  ->  close the engine
+    make the parts (cheap)  ->  check  ->  the run directory every rank shares  ->  the checkpoint
+        a resume continues from  ->  the expensive parts (data, model)  ->  build  ->  train
+        ->  close the engine
 
 However the run ends, the precision puts back what its setup changed in the process (TF32's
 flags) exactly once, and the ending is one exception, ``looplib.errors.RunEnded``, whose
@@ -21,6 +22,7 @@ from typing import Callable
 from ..engines.launch import launched_rank, lost_rank_line
 from ..errors import ConfigError, Interrupted, LostRank, NumericError, RunEnded, SaveError
 from .assembly import Job, Parts, Record, Trained, build, check
+from .resume import plan
 from .rundir import forget, results
 from .settings import Settings
 from .signals import Signals
@@ -40,15 +42,20 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
     try:
         try:
             parts, settings, record = make()
-            job = assemble(parts, settings, record)
+            check(parts, settings)
             if run_dir is not None:
-                shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+                shared = parts.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
                 if shared != run_dir:
                     forget(run_dir, fresh=True)  # this rank's scratch directory
                     run_dir, fresh = shared, fresh and not results(shared)
-            elif metrics is not None and job.engine.is_main:
+            elif metrics is not None and parts.engine.is_main:
                 metrics = fresh_file(metrics)
-            trained = train(job, run_dir, signals, metrics, export)
+            # the checkpoint to continue from, and the split of its global batch on these processes:
+            # settled before the data, the model or the engine exist (a refusal costs nothing)
+            resumed = plan(parts.engine, settings, record, run_dir)
+            parts.build_later()
+            job = build(parts, settings, record)
+            trained = train(job, run_dir, signals, metrics, export, resumed)
         finally:
             if parts is not None and parts.precision is not None:
                 parts.precision.close()  # TF32's process-wide flags: a sweep's next job starts clean

@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from ..atomic import write_atomic
 from ..errors import ConfigError
 from ..train_state import TrainState
-from .checkpoint_dir import InvalidCheckpoint, find_checkpoint, inspect_checkpoint, set_rng_state, unwrap
+from ..engines.state_dicts import load_sharded
+from . import elastic
+from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, inspect_checkpoint, load_state,
+                             set_rng_state, unwrap)
 from .saving import Checkpoints
 
 log = logging.getLogger("looplib")
@@ -54,72 +58,136 @@ def check_resume_config(saved: dict, now: dict) -> list[str]:
     return safe
 
 
-def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
-    """Refuse a config change that alters the run (``ConfigError``); return the accepted ones.
-    An engine may accept a change the saved config alone cannot judge (FSDP: another number
-    of processes splitting the same global batch differently)."""
-    if not checkpoints.config:  # no config known: nothing to compare
-        return []
-    now = json.loads(json.dumps(checkpoints.config))  # a copy the engine may edit
-    return checkpoints.engine.resume_config(saved, now, path) + check_resume_config(saved, now)
+@dataclass
+class Resumed:
+    """The checkpoint a resume continues from (None: ``resume=auto`` found none), found and
+    checked before anything was built, and the geometry it was written with."""
+    path: Path | None
+    checked: dict | None = None
+    saved: elastic.Geometry | None = None
 
 
-def find(checkpoints: Checkpoints, where: Path, found: dict | None = None) -> Path | None:
-    """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
-    return find_checkpoint(where, checkpoints.parts.get("model"), checkpoints.own_format, found,
-                           lambda saved, path: accepted_changes(checkpoints, saved, path))
-
-
-def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
-    """Restore everything from ``path`` into the parts bound to ``checkpoints`` and ``state``.
-    Returns the config changes accepted as safe. ``checked``: what ``inspect_checkpoint`` read
-    from it (validated again here otherwise); nothing is loaded before it has passed."""
-    from safetensors.torch import load_model
-
-    try:
-        checked = checked or inspect_checkpoint(path, checkpoints.parts.get("model"), checkpoints.own_format,
-                                                lambda saved, where: accepted_changes(checkpoints, saved, where))
-    except InvalidCheckpoint as err:
-        raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
-                          "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
-    p = checkpoints.parts
-    if checkpoints.own_format:  # the engine's own format (FSDP, DeepSpeed)
-        blob = checkpoints.engine.load_checkpoint(path.parent, tag=path.name)
-    else:
-        blob = checked["state"]
-        load_model(unwrap(p["model"]), str(path / "model.safetensors"))
-        p["optimizer"].load_state_dict(blob["optimizer"])
-        p["precision"].load_state_dict(blob["precision"])
-    p["scheduler"].load_state_dict(blob["scheduler"])
-    set_rng_state(blob["rng"])
-    pos = blob["position"]
-    state.step, state.epoch, state.bad_streak = pos["step"], pos["epoch"], pos["bad_streak"]
-    state.longest_streak = state.bad_streak
-    state.batches_seen, state.extra = pos["batches_seen"], blob.get("extra", {})
-    p["epochs"].epoch, p["epochs"].batches_seen = pos["epoch"], pos["batches_seen"]
-    checkpoints.last_saved_step = state.step
-    return checked["accepted"]
-
-
-def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path) -> None:
-    """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
-    ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
-    ``checkpoint_dir.inspect_checkpoint``) are skipped with a warning, or refused when named directly."""
+def locate(where: str, run_dir: Path | None) -> tuple[Path | None, dict | None]:
+    """The checkpoint ``resume=where`` names (``auto``: the newest valid one of ``run_dir``), every
+    file checked against its manifest; ``(None, None)`` when ``auto`` finds none."""
     found: dict = {}
     try:
-        path = find(checkpoints, run_dir if where == "auto" else Path(where), found)
+        path = find_checkpoint(run_dir if where == "auto" else Path(where), None, None, found)
     except InvalidCheckpoint as err:
         raise ConfigError("resume", f"{where} is not a valid checkpoint: {err}",
                           "give a complete checkpoint (.../checkpoints/step-N) or a run directory, or use "
                           "resume=auto") from None
+    if path is None and where != "auto":
+        raise ConfigError("resume", f"no valid checkpoint at {where}",
+                          "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
+    return path, found.get(path)
+
+
+def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
+    """Before the data, the model or the engine exist: find the checkpoint to resume, refuse an
+    engine it cannot load into, choose the split of its global batch on this run's processes
+    (``settings`` and the record's config then hold it), refuse an epoch end the processes cannot
+    reproduce, and say what changed. None when the run does not resume."""
+    if settings.resume is None:
+        return None
+    path, checked = locate(settings.resume, run_dir)
     if path is None:
-        if where != "auto":
-            raise ConfigError("resume", f"no valid checkpoint at {where}",
-                              "give a checkpoint directory (.../checkpoints/step-N) or a run directory")
+        return Resumed(None)
+    saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
+    elastic.check_engine(saved, engine)
+    if settings.batch_size != "auto":  # auto: chosen for this world in build, checked on load
+        settings.batch_size, settings.accum_steps = elastic.split(saved, engine.world_size, settings.batch_size,
+                                                          settings.accum_steps)
+        record.config.update(batch_size=settings.batch_size, accum_steps=settings.accum_steps)
+        now = elastic.current(engine, settings.batch_size, settings.accum_steps)
+        saved_cfg, now_cfg = json.loads(json.dumps(checked["config"])), json.loads(json.dumps(record.config))
+        elastic.accept(saved, now, saved_cfg, now_cfg)
+        check_resume_config(saved_cfg, now_cfg)  # any other change: refused now, not after the setup
+        elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
+        line = elastic.what_changed(saved, now)
+        if line:
+            log.info("resume: %s", line)
+    engine.resuming(path, saved.world_size)
+    return Resumed(path, checked, saved)
+
+
+def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
+    """Refuse a config change that alters the run (``ConfigError``); return the accepted ones.
+    Another split of the same global batch on another number of processes, and a switch between
+    the local engine, DDP and FSDP, are not changes of the run (``looplib.run.elastic``)."""
+    if not checkpoints.config:  # no config known: nothing to compare
+        return []
+    saved, now = json.loads(json.dumps(saved)), json.loads(json.dumps(checkpoints.config))  # copies to edit
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    engine = checkpoints.engine
+    before = elastic.saved_geometry(path, meta, saved, engine.world_size)
+    elastic.check_engine(before, engine)
+    after = elastic.current(engine, now.get("batch_size", before.batch_size), now.get("accum_steps", before.accum_steps))
+    elastic.accept(before, after, saved, now)
+    return check_resume_config(saved, now)
+
+
+def find(checkpoints: Checkpoints, where: Path, found: dict | None = None) -> Path | None:
+    """The newest valid checkpoint at ``where`` for this model and engine (see ``find_checkpoint``)."""
+    return find_checkpoint(where, model_to_check(checkpoints), None, found,
+                           lambda saved, path: accepted_changes(checkpoints, saved, path))
+
+
+def model_to_check(checkpoints: Checkpoints):
+    """The model whose names and shapes a checkpoint's weights are checked against (whole tensors
+    only: an FSDP model's are shards, checked by torch when they load)."""
+    return checkpoints.parts.get("model") if checkpoints.engine.checkpoint_format == "looplib" else None
+
+
+def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
+    """Restore everything from ``path`` into the parts bound to ``checkpoints`` and ``state``, in
+    whichever form it holds model and optimizer state (looplib's own, DCP shards, DeepSpeed's),
+    at the same sample of the data on this run's processes. Returns the config changes accepted
+    as safe. ``checked``: what ``inspect_checkpoint`` read from it (validated again here
+    otherwise); nothing is loaded before it has passed."""
+    try:
+        if checked is None or "accepted" not in checked:  # the files checked, not yet the config and weights
+            checked = inspect_checkpoint(path, model_to_check(checkpoints), None,
+                                         lambda saved, where: accepted_changes(checkpoints, saved, where))
+    except InvalidCheckpoint as err:
+        raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
+                          "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
+    p, engine = checkpoints.parts, checkpoints.engine
+    saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
+    if saved.format == "deepspeed":  # DeepSpeed only (elastic.check_engine)
+        blob = engine.load_checkpoint(path.parent, tag=path.name)
+    elif saved.format == "dcp":  # FSDP's shards, into FSDP on any number of processes, DDP or one process
+        load_sharded(p["model"], p["optimizer"], path / "shards")
+        blob = load_state(path / "client.pt")
+        p["precision"].load_state_dict(blob.pop("precision"))
+    else:
+        blob = checked["state"]
+        engine.load_full_state(p["model"], p["optimizer"], path / "model.safetensors", blob["optimizer"])
+        p["precision"].load_state_dict(blob["precision"])
+    p["scheduler"].load_state_dict(blob["scheduler"])
+    set_rng_state(blob["rng"])
+    pos, epochs = blob["position"], p["epochs"]
+    epochs.restore(pos, saved.world_size, saved.batch_size)  # the same sample, in this run's micro-batches
+    state.step, state.epoch, state.bad_streak = pos["step"], epochs.epoch, pos["bad_streak"]
+    state.longest_streak = state.bad_streak
+    state.batches_seen, state.extra = epochs.batches_seen, blob.get("extra", {})
+    checkpoints.last_saved_step = state.step
+    return checked["accepted"]
+
+
+def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path,
+           resumed: Resumed | None = None) -> None:
+    """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
+    ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
+    ``checkpoint_dir.inspect_checkpoint``) are skipped with a warning, or refused when named directly.
+    ``resumed``: the checkpoint found before the run was built (``plan``)."""
+    resumed = resumed or Resumed(*locate(where, run_dir))
+    path = resumed.path
+    if path is None:  # resume=auto (locate refused a PATH that holds none)
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
     else:
-        accepted = load(checkpoints, path, state, found.get(path))
+        accepted = load(checkpoints, path, state, judged(checkpoints, path, resumed.checked))
         log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
                  state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
     metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
@@ -132,3 +200,17 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
             except (ValueError, AttributeError):  # a row cut short by a kill: dropped
                 pass
         write_atomic(metrics, "".join(row + "\n" for row in rows))
+
+
+def judged(checkpoints: Checkpoints, path: Path, checked: dict) -> dict:
+    """``checked`` (its files checked before the run was built) with the config judged against
+    this run's (the batch chosen by ``batch_size=auto`` is known only now) and the weights'
+    names and shapes against the model."""
+    model = model_to_check(checkpoints)
+    try:
+        if model is not None and checked["state"] is not None:
+            check_weights(path / "model.safetensors", unwrap(model))
+    except InvalidCheckpoint as err:
+        raise ConfigError("resume", f"{path} is not a valid checkpoint: {err}",
+                          "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
+    return {**checked, "accepted": accepted_changes(checkpoints, checked["config"], path)}

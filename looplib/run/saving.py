@@ -48,6 +48,7 @@ class Checkpoints:
         self.parts: dict = {}
         self.last_saved_step = -1
         self.save_seconds: list[float] = []
+        self.geometry: dict = {}  # engine, processes, batch_size, accum_steps (looplib.run.elastic.Geometry)
 
     def bind(self, *, model, optimizer, scheduler, precision, epochs, preemption=None) -> "Checkpoints":
         self.parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, precision=precision,
@@ -119,8 +120,7 @@ class Checkpoints:
         t0 = time.perf_counter()
         p, epochs = self.parts, self.parts["epochs"]
         self.root.mkdir(parents=True, exist_ok=True)
-        position = {"step": state.step, "epoch": epochs.epoch, "batches_seen": epochs.batches_seen,
-                    "bad_streak": int(state.bad_streak)}
+        position = {"step": state.step, **epochs.position(), "bad_streak": int(state.bad_streak)}
         blob = {"format": FORMAT, "position": position, "scheduler": p["scheduler"].state_dict(),
                 "rng": rng_state(), "extra": state.extra}
         if self.own_format:
@@ -159,7 +159,8 @@ class Checkpoints:
                 os.fsync(f.fileno())
         text = config_text(self.config or {})
         write_file(tmp / "config.yaml", text.encode())
-        meta = {**position, "config_hash": config_hash(text), "torch": torch.__version__,
+        meta = {**position, **({"geometry": self.geometry} if self.geometry else {}),
+                "config_hash": config_hash(text), "torch": torch.__version__,
                 "time": time.time(), "needs": needs}  # every file a resume reads: the manifest must list them
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}

@@ -21,7 +21,8 @@ from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
 from .assembly import Job, Record, Trained, refused
 from .plots import end_of_run_plot
-from .resume import resume
+from .elastic import current
+from .resume import Resumed, resume
 from .rundir import artefacts
 from .saving import Checkpoints
 from .signals import Signals
@@ -30,9 +31,10 @@ log = logging.getLogger("looplib")
 
 
 def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics: Path | None = None,
-          export: bool = True) -> Trained:
+          export: bool = True, resumed: Resumed | None = None) -> Trained:
     """Train ``job``, writing into ``run_dir`` (metrics.jsonl, config.yaml, checkpoints/, the
-    exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``."""
+    exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``.
+    ``resumed``: the checkpoint to continue from, found before the job was built (``resume.plan``)."""
     s, engine, signals = job.settings, job.engine, signals or Signals()
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,9 +58,10 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                               check_every=s.log_every)
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
+    checkpoints.geometry = current(engine, s.batch_size, s.accum_steps).as_dict()  # what a resume may change
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
-        resume(checkpoints, state, s.resume, run_dir)
+        resume(checkpoints, state, s.resume, run_dir, resumed)
     if engine.is_main and run_dir is not None:
         write_atomic(run_dir / "config.yaml", job.record.text)
         job.data.save(run_dir)  # e.g. labels.json

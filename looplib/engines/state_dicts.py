@@ -1,0 +1,70 @@
+"""Model and optimizer state in either form looplib's torch engines write, loaded by any of them
+on any number of processes.
+
+- looplib's own: ``model.safetensors`` (whole tensors, tied ones once) and the optimizer's
+  ``state_dict()`` in ``state.pt`` (the local engine and DDP; rank 0 writes);
+- sharded: ``shards/``, ``torch.distributed.checkpoint`` (FSDP2; every rank its own file).
+
+``torch.distributed.checkpoint.state_dict`` names every tensor and every optimizer state by
+the parameter's qualified name, whatever wraps it (DDP, ``fully_shard``, compile), and moves
+it between whole tensors and DTensor shards: a DCP checkpoint loads into a plain or DDP model
+(DCP reads each tensor whole), and looplib's files load into an FSDP2 model (every rank hands
+over the whole tensor and keeps its shard).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+
+def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
+    """Model and optimizer into ``path`` with DCP (every rank calls it; each writes its shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+
+
+def load_sharded(model: nn.Module, optimizer, path: Path) -> None:
+    """What ``save_sharded`` wrote, into ``model`` and ``optimizer`` as they are sharded now (FSDP2
+    on any number of processes) or whole (the local engine, DDP): DCP reads what each needs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    loaded = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+
+
+def load_full(model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
+    """looplib's own files (whole tensors; the optimizer's ``state_dict()``, keyed by position)
+    into a sharded model and its optimizer (FSDP2): every rank reads them and keeps its shards."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    whole = load_file(str(weights))
+    first: dict[int, str] = {}  # tied parameters are stored once, under one of their names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in whole and first[id(p)] != name and first[id(p)] in whole:
+            whole[name] = whole[first[id(p)]]
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, whole, options=options)
+    set_optimizer_state_dict(model, optimizer, by_name(model, optimizer, optimizer_state), options=options)
+
+
+def by_name(model: nn.Module, optimizer, state: dict) -> dict:
+    """``optimizer.state_dict()`` (parameters numbered in the order of the param groups) keyed by
+    the parameters' qualified names, as ``get_optimizer_state_dict`` keys them."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(ordered) != sum(len(g["params"]) for g in state["param_groups"]):
+        raise ValueError(f"the checkpoint's optimizer holds {sum(len(g['params']) for g in state['param_groups'])} "
+                         f"parameters, this one {len(ordered)}")
+    return {"state": {ordered[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [ordered[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
