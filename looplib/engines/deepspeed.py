@@ -297,13 +297,35 @@ class DeepSpeed(Distributed):
         """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state.
         Saved by another number of processes: through a universal checkpoint made from it first."""
         if self._universal:
+            optimizer = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # the torch optimizer ZeRO steps
+            built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
             with universal(Path(directory) / tag, self.is_main, self.world_size) as (root, name):
                 path, client_state = self.ds.load_checkpoint(str(root), tag=name)
+            fix_universal_groups(optimizer, built, client_state)
         else:
             path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         return client_state
+
+
+def fix_universal_groups(optimizer, built: list[dict], client_state: dict | None) -> None:
+    """Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py,
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3), put right: it gives every param group
+    the hyperparameters of the first (looplib's groups differ: no weight decay on biases, norms,
+    embeddings), so each gets its own back, with the learning rate the schedule had reached (the
+    client state's); and it hands one ``step`` tensor to every partition, which torch's Adam then
+    counts up once per partition per step, so each gets its own (found by a 2 -> 1 process resume
+    that drifted from the uninterrupted run by 1e-4 after one step, in the second group only).
+    Harmless where nothing slipped (ZeRO 1-2)."""
+    last_lr = ((client_state or {}).get("scheduler") or {}).get("_last_lr") or []
+    for i, (group, own) in enumerate(zip(optimizer.param_groups, built)):
+        group.update({k: v for k, v in own.items() if k != "lr"})
+        if i < len(last_lr):
+            group["lr"] = last_lr[i]
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 @contextmanager
