@@ -97,21 +97,47 @@ def test_one_process_without_a_launcher_is_a_world_of_one(tmp_path):
     assert len([m for m in rows(tmp_path / "run" / "metrics.jsonl") if "loss" in m]) == 4
 
 
-def test_torchrun_resume_continues_exactly(tmp_path):
-    """A 2-rank DDP run checkpointed by rank 0 and resumed by both ranks from step 2."""
+def test_torchrun_resume_continues_exactly_on_any_number_of_processes_and_under_fsdp(tmp_path):
+    """A 2-rank DDP run checkpointed by rank 0 and resumed from step 2 with the same command: by
+    both ranks (bitwise), by one process and by four (issue 27: the accumulation chosen so that
+    the global batch of 2 x 4 x 2 = 16 stays, the micro-batch as typed), and under FSDP by two
+    (looplib's whole tensors sharded on load): every later loss to 1e-5 relative, weights to 1e-5."""
     common = ["+engine=ddp", *QUICK, "batch_size=4", "checkpoint.every_steps=2", "sample_tokens=0"]
     full = tmp_path / "full"
     r = torchrun(*common, f"hydra.run.dir={full}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    step2 = full / "checkpoints" / "step-00000002"
     resumed = tmp_path / "resumed"
-    r = torchrun(*common, f"resume={full / 'checkpoints' / 'step-00000002'}", f"hydra.run.dir={resumed}",
-                 cwd=tmp_path)
+    r = torchrun(*common, f"resume={step2}", f"hydra.run.dir={resumed}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert "global batch" not in r.stdout  # nothing changed: nothing said
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     full_losses = {m["step"]: m["loss"] for m in rows(full / "metrics.jsonl") if "loss" in m}
     resumed_losses = {m["step"]: m["loss"] for m in rows(resumed / "metrics.jsonl") if "loss" in m}
     assert resumed_losses == {3: full_losses[3], 4: full_losses[4]}
+
+    said = {1: "resume: 2 -> 1 processes: accum_steps 2 -> 4, global batch 16 kept",
+            4: "resume: 2 -> 4 processes: accum_steps 2 -> 1, global batch 16 kept",
+            "fsdp": "resume: engine ddp -> fsdp: global batch 16 kept"}
+    for how, line in said.items():
+        run = tmp_path / f"on-{how}"
+        args = [*common, f"resume={step2}", f"hydra.run.dir={run}"]
+        if how == 1:
+            r = run_cli(*args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+        elif how == 4:
+            r = torchrun(*args, cwd=tmp_path, nproc=4)
+        else:
+            r = torchrun(*[x if x != "+engine=ddp" else "+engine=fsdp" for x in args], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert line in r.stdout, r.stdout
+        got = {m["step"]: m["loss"] for m in rows(run / "metrics.jsonl") if "loss" in m}
+        assert got == pytest.approx({3: full_losses[3], 4: full_losses[4]}, rel=1e-5), how
+        c = load_file(run / "model.safetensors")
+        for k in a:
+            torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=0, msg=f"{how} {k}")
+        accum = {1: 4, 4: 1, "fsdp": 2}[how]
+        assert f"accum_steps: {accum}\n" in (run / "config.yaml").read_text()  # what it ran with
 
 
 @gpu

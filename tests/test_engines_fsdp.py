@@ -16,7 +16,6 @@ import dist_workers as W
 from conftest import gpu, needs_bnb, run_cli
 from looplib.engines.deepspeed import CPUAdam
 from looplib.engines.fsdp import FSDP as FSDPEngine
-from looplib.engines.fsdp import moved_position
 from looplib.engines.launch import free_port
 from looplib.errors import ConfigError
 from looplib.evaluation import Evaluation, HalfWeights
@@ -70,8 +69,8 @@ def losses(run_dir):
 def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
     """SIGTERM to the whole job (as a scheduler sends it) under torchrun: a sharded checkpoint,
     exit 75, resume=auto bitwise equal to the uninterrupted run. The same run's step-4
-    checkpoint, resumed by one process with the micro-batch doubled (the same global batch),
-    continues with the same losses."""
+    checkpoint, resumed with the same command by one process (the accumulation doubles: the same
+    global batch) and under DDP by two, continues with the same losses and weights."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     ref = tmp_path / "ref"
     r = torchrun(*FSDP, "batch_size=4", f"hydra.run.dir={ref}", cwd=tmp_path)
@@ -102,16 +101,23 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(run) == losses(ref)
 
-    one = tmp_path / "one"
-    r = run_cli(*FSDP, "batch_size=8", f"resume={ckpt}", f"hydra.run.dir={one}", cwd=tmp_path,
+    # the same command on one process: the accumulation doubles, the global batch stays (issue 27);
+    # and the same checkpoint under DDP on two processes: DCP's shards read whole
+    one, ddp = tmp_path / "one", tmp_path / "ddp"
+    r = run_cli(*FSDP, "batch_size=4", f"resume={ckpt}", f"hydra.run.dir={one}", cwd=tmp_path,
                 env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
-    assert "processes 2 -> 1, batch_size 4 -> 8" in r.stdout
+    assert "resume: 2 -> 1 processes: accum_steps 2 -> 4, global batch 16 kept" in r.stdout
+    r = torchrun(*[a for a in FSDP if a != "+engine=fsdp"], "+engine=ddp", "batch_size=4", f"resume={ckpt}",
+                 f"hydra.run.dir={ddp}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resume: engine fsdp -> ddp: global batch 16 kept" in r.stdout
     ref_losses = losses(ref)
-    assert losses(one) == pytest.approx({s: ref_losses[s] for s in (5, 6)}, rel=1e-5)
-    c = load_file(one / "model.safetensors")
-    for k in a:
-        torch.testing.assert_close(c[k], a[k], atol=WEIGHT_ATOL, rtol=0)
+    for run in (one, ddp):
+        assert losses(run) == pytest.approx({s: ref_losses[s] for s in (5, 6)}, rel=1e-5)
+        c = load_file(run / "model.safetensors")
+        for k in a:
+            torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("optim, words", [
@@ -125,27 +131,6 @@ def test_optimizers_that_cannot_step_on_shards_are_refused(optim, words):
     with pytest.raises(ConfigError, match="^optim: \\+engine=fsdp with " + words):
         FSDPEngine("cpu").check(W.settings(2), FP32(), optim)
     FSDPEngine("cpu").check(W.settings(2), FP32(), SGD(lr=1e-3))  # SGD and AdamW step on DTensors
-
-
-def test_another_world_keeps_the_global_batch_and_the_global_sample(tmp_path):
-    """4 processes x batch 2 x accumulation 2 onto 2 processes: accepted as 2 x 8 x 1 or 2 x 4 x 2,
-    refused as 2 x 2 x 1 (another global batch) with the split that keeps it. The data position
-    is the global sample: 3 micro-batches of 2 on each of 4 ranks = 24 samples = 3 of 2 x 4."""
-    (tmp_path / "fsdp.json").write_text(json.dumps({"world_size": 4, "batch_size": 2, "accum_steps": 2}))
-    engine = FSDPEngine("cpu")
-    engine.world_size = 2
-    for batch, accum in ((8, 1), (4, 2)):
-        saved = {"batch_size": 2, "accum_steps": 2, "lr": 1.0}
-        said = engine.resume_config(saved, {"batch_size": batch, "accum_steps": accum}, tmp_path)
-        assert saved == {"batch_size": batch, "accum_steps": accum, "lr": 1.0}  # the config check then passes
-        assert said == [f"processes 4 -> 2, batch_size 2 -> {batch}, accum_steps 2 -> {accum} (global batch 16 kept)"]
-    with pytest.raises(ConfigError, match=r"^batch_size: .* \(global batch 16\); 2 x 2 x 1 = 4 .* "
-                                          r"choose batch_size x accum_steps = 8 per process"):
-        engine.resume_config({}, {"batch_size": 2, "accum_steps": 1}, tmp_path)
-    four, two = {"world_size": 4, "batch_size": 2}, {"world_size": 2, "batch_size": 4}
-    assert moved_position(3, four, two) == 3 and moved_position(3, four, {"world_size": 2, "batch_size": 2}) == 6
-    with pytest.raises(ConfigError, match="sample 8 of its epoch"):
-        moved_position(1, four, {"world_size": 1, "batch_size": 16})
 
 
 def test_bad_engine_keys_are_refused():
