@@ -103,8 +103,12 @@ def split(saved: Geometry, world: int, batch_size: int, accum_steps: int) -> tup
 
 
 def counts(total: int) -> str:
-    found = divisors(total)
-    return ", ".join(map(str, found[:-1])) + f" or {found[-1]}" if len(found) > 1 else str(found[0])
+    """The process counts that split ``total`` evenly, as a phrase: ``1, 2, 4 or 8``."""
+    return listed(divisors(total))
+
+
+def listed(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers[:-1])) + f" or {numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
 
 
 def what_changed(saved: Geometry, now: Geometry) -> str:
@@ -171,5 +175,5 @@ def check_epoch_end(meta: dict, now: Geometry, max_steps: int) -> None:
     works = [d for d in divisors(now.global_batch) if keep % d == 0]
     raise ConfigError("resume", f"the checkpoint's epochs hold {keep} samples, which {now.world_size} processes "
                       f"cannot split evenly: from step {last} on, each epoch's end would train on other samples than "
-                      "the run this checkpoint comes from", f"resume on {', '.join(map(str, works))} processes, or "
+                      "the run this checkpoint comes from", f"resume on {listed(works)} processes, or "
                       f"stop before the epoch's end (max_steps={last - 1})")

@@ -87,7 +87,8 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     """Before the data, the model or the engine exist: find the checkpoint to resume, refuse an
     engine it cannot load into, choose the split of its global batch on this run's processes
     (``settings`` and the record's config then hold it), refuse an epoch end the processes cannot
-    reproduce, and say what changed. None when the run does not resume."""
+    reproduce, and tell the engine (DeepSpeed: a universal checkpoint). None when the run does not
+    resume. (What changed is said when the checkpoint loads: ``resume``.)"""
     if settings.resume is None:
         return None
     path, checked = locate(settings.resume, run_dir)
@@ -104,9 +105,6 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
         elastic.accept(saved, now, saved_cfg, now_cfg)
         check_resume_config(saved_cfg, now_cfg)  # any other change: refused now, not after the setup
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
-        line = elastic.what_changed(saved, now)
-        if line:
-            log.info("resume: %s", line)
     engine.resuming(path, saved.world_size)
     return Resumed(path, checked, saved)
 
@@ -187,7 +185,14 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
     else:
-        accepted = load(checkpoints, path, state, judged(checkpoints, path, resumed.checked))
+        checked = judged(checkpoints, path, resumed.checked)
+        if checkpoints.geometry:  # what the processes changed (batch_size=auto: chosen since plan)
+            saved = elastic.saved_geometry(path, checked["meta"], checked["config"], checkpoints.engine.world_size)
+            line = elastic.what_changed(saved, elastic.Geometry(**{k: v for k, v in checkpoints.geometry.items()
+                                                                   if k != "global_batch"}))
+            if line:
+                log.info("resume: %s", line)
+        accepted = load(checkpoints, path, state, checked)
         log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
                  state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")
     metrics = run_dir / "metrics.jsonl"  # (a run killed before its first checkpoint restarts at 0)
