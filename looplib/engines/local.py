@@ -63,6 +63,10 @@ class Engine:
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
 
+    def agree(self, config: dict) -> None:
+        """Every rank runs the same job, or none does: compared before anything is built (one
+        process: nothing to compare)."""
+
     def check_evaluation(self, evaluation) -> None:
         """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
 

@@ -78,6 +78,7 @@ def assemble(parts: Parts, settings: Settings, record: Record) -> Job:
     """Check, build the expensive parts, build the job: a run ready to train (what ``execute``
     trains; a tool that probes a job without training it calls this alone)."""
     check(parts, settings)
+    parts.engine.agree(record.config)  # several processes: the same job on every rank, or none
     parts.build_later()
     return build(parts, settings, record)
 
