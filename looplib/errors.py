@@ -3,6 +3,7 @@ exit status the command line returns for it.
 
     status  ending              raised as
     0       finished            (no exception; a sweep's pruned trial also ends with 0)
+    0       nothing to do       ``NothingToDo``: resumed at its max_steps already; nothing written
     1       a rank was lost     ``LostRank``: another process of the run died (killed, out of memory, a node)
     2       refused             ``ConfigError``: a setting looplib cannot honour, found before it trains it
     3       numeric             ``NumericError``: too many consecutive steps with inf/NaN
@@ -47,6 +48,12 @@ class ConfigError(RunEnded, Exception):
     def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(" ".join(f"{key}: {problem}; {fix}".split()))  # always one line
+
+
+class NothingToDo(RunEnded):
+    """A resumed run that is already at its ``max_steps``: nothing is trained and nothing written."""
+
+    status = EXIT_OK
 
 
 class NumericError(RunEnded, RuntimeError):

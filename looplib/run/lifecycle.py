@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..engines.launch import launched_rank, lost_rank_line
-from ..errors import ConfigError, Interrupted, LostRank, NumericError, RunEnded, SaveError
+from ..errors import ConfigError, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError
 from .assembly import Job, Parts, Record, Trained, build, check
 from .rundir import forget, results
 from .settings import Settings
@@ -89,6 +89,8 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
         return ""
     if isinstance(end, ConfigError):
         return f"looplib: error: {end}"
+    if isinstance(end, NothingToDo):
+        return f"looplib: nothing to do: {end}"
     if isinstance(end, NumericError):
         return f"looplib: stopped: {end}"
     if isinstance(end, SaveError):
