@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..atomic import write_atomic
-from ..errors import ConfigError
+from ..errors import ConfigError, NothingToDo
 from ..train_state import TrainState
 from ..engines.state_dicts import load_sharded
 from . import elastic
@@ -94,6 +94,7 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     path, checked = locate(settings.resume, run_dir)
     if path is None:
         return Resumed(None)
+    check_steps(path, checked["step"], settings.max_steps, run_dir)
     saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
     elastic.check_engine(saved, engine)
     if settings.batch_size != "auto":  # auto: chosen for this world in build, checked on load
@@ -107,6 +108,17 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
     engine.resuming(path, saved.world_size)
     return Resumed(path, checked, saved)
+
+
+def check_steps(path: Path, at: int, max_steps: int, run_dir: Path | None) -> None:
+    """A run cannot go back: a checkpoint past ``max_steps`` is refused, one at it has nothing to do."""
+    if at > max_steps:
+        raise ConfigError("max_steps", f"max_steps={max_steps} is below the step of the checkpoint it resumes "
+                          f"({at}, {path}): a run cannot go back", f"give max_steps above {at} to train further, "
+                          f"or start a new run in a new directory to train {max_steps} steps")
+    if at == max_steps:
+        raise NothingToDo(f"the run in {run_dir} is at step {at} already (max_steps={max_steps}), its files "
+                          f"untouched; give max_steps above {at} to train further")
 
 
 def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
@@ -173,18 +185,21 @@ def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict 
     return checked["accepted"]
 
 
-def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path,
+def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path, max_steps: int,
            resumed: Resumed | None = None) -> None:
     """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
     ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
     ``checkpoint_dir.inspect_checkpoint``) are skipped with a warning, or refused when named directly.
-    ``resumed``: the checkpoint found before the run was built (``plan``)."""
+    ``resumed``: the checkpoint found before the run was built (``plan``). A checkpoint at
+    ``max_steps`` already is ``NothingToDo``, one past it a ``ConfigError``: both before anything
+    is loaded or written (``plan`` says so before anything is built)."""
     resumed = resumed or Resumed(*locate(where, run_dir))
     path = resumed.path
     if path is None:  # resume=auto (locate refused a PATH that holds none)
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
     else:
+        check_steps(path, resumed.checked["step"], max_steps, run_dir)
         checked = judged(checkpoints, path, resumed.checked)
         if checkpoints.geometry:  # what the processes changed (batch_size=auto: chosen since plan)
             saved = elastic.saved_geometry(path, checked["meta"], checked["config"], checkpoints.engine.world_size)

@@ -61,7 +61,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     checkpoints.geometry = current(engine, s.batch_size, s.accum_steps).as_dict()  # what a resume may change
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
-        resume(checkpoints, state, s.resume, run_dir, resumed)
+        resume(checkpoints, state, s.resume, run_dir, s.max_steps, resumed)
     if engine.is_main and run_dir is not None:
         write_atomic(run_dir / "config.yaml", job.record.text)
         job.data.save(run_dir)  # e.g. labels.json
