@@ -94,7 +94,6 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     path, checked = locate(settings.resume, run_dir)
     if path is None:
         return Resumed(None)
-    check_steps(path, checked["step"], settings.max_steps, run_dir)
     saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
     elastic.check_engine(saved, engine)
     if settings.batch_size != "auto":  # auto: chosen for this world in build, checked on load
@@ -105,6 +104,8 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
         saved_cfg, now_cfg = json.loads(json.dumps(checked["config"])), json.loads(json.dumps(record.config))
         elastic.accept(saved, now, saved_cfg, now_cfg)
         check_resume_config(saved_cfg, now_cfg)  # any other change: refused now, not after the setup
+    check_steps(path, checked["step"], settings.max_steps, run_dir)
+    if settings.batch_size != "auto":
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
     engine.resuming(path, saved.world_size)
     return Resumed(path, checked, saved)
