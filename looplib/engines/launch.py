@@ -167,7 +167,8 @@ def lost_rank_line(err: BaseException) -> str | None:
         return ""  # another rank of this host says it
     who = (f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}") if lost else \
         "a rank on another host"
-    restarts, done = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # torchrun --max-restarts, and those done
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     then = (f"torchrun restarts the workers on the nodes that are left (restart {done + 1} of {restarts}): with "
             "resume=auto they continue from it" if done < restarts else "resume=auto continues from it")
     return (f"looplib: stopped: {who} of {dist.get_world_size()} was lost (its process ended: killed, out of "

@@ -1,12 +1,16 @@
 """Resuming a run: which checkpoint to continue from, which config changes it accepts, and the
 restore itself.
 
-``resume(checkpoints, state, where, run_dir)`` finds the checkpoint (``resume=auto``: the newest
-valid one of this run directory; ``resume=PATH``: that checkpoint or run directory), loads it
-into the parts bound to ``checkpoints`` (``looplib.run.saving.Checkpoints``) and trims metrics
-rows written after it. A changed setting is accepted only if it cannot alter what the run
-computes (``SAFE_TO_CHANGE``, or what the engine accepts); any other change is refused with one
-line naming it.
+``plan(engine, settings, record, run_dir)`` runs before the data, the model or the engine exist:
+it finds the checkpoint (``resume=auto``: the newest valid one of this run directory;
+``resume=PATH``: that checkpoint or run directory), refuses what cannot resume, and chooses the
+split of the checkpoint's global batch on this run's processes (``looplib.run.elastic``).
+``resume(checkpoints, state, where, run_dir, max_steps, resumed)`` then loads it into the parts
+bound to ``checkpoints`` (``looplib.run.saving.Checkpoints``), in whichever form it holds model
+and optimizer state, and trims metrics rows written after it. A changed setting is accepted
+only if it cannot alter what the run computes (``SAFE_TO_CHANGE``; another split of the same
+global batch; a switch between the local engine, DDP and FSDP); any other change is refused
+with one line naming it.
 """
 from __future__ import annotations
 
@@ -98,7 +102,7 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     elastic.check_engine(saved, engine)
     if settings.batch_size != "auto":  # auto: chosen for this world in build, checked on load
         settings.batch_size, settings.accum_steps = elastic.split(saved, engine.world_size, settings.batch_size,
-                                                          settings.accum_steps)
+                                                                  settings.accum_steps)
         record.config.update(batch_size=settings.batch_size, accum_steps=settings.accum_steps)
         now = elastic.current(engine, settings.batch_size, settings.accum_steps)
         saved_cfg, now_cfg = json.loads(json.dumps(checked["config"])), json.loads(json.dumps(record.config))
@@ -133,7 +137,8 @@ def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[
     engine = checkpoints.engine
     before = elastic.saved_geometry(path, meta, saved, engine.world_size)
     elastic.check_engine(before, engine)
-    after = elastic.current(engine, now.get("batch_size", before.batch_size), now.get("accum_steps", before.accum_steps))
+    after = elastic.current(engine, now.get("batch_size", before.batch_size),
+                            now.get("accum_steps", before.accum_steps))
     elastic.accept(before, after, saved, now)
     return check_resume_config(saved, now)
 
