@@ -145,17 +145,20 @@ def test_deepspeed_zero2_resumes_on_one_process_through_a_universal_checkpoint(t
     """ZeRO-2 on 2 processes, resumed from step 2 with the same command by one: DeepSpeed's own
     ds_to_universal converts the partitions (in a temporary directory, removed afterwards), the
     accumulation doubles, the losses and weights are the 2-process run's. The same checkpoint
-    under DDP is refused before any engine is set up."""
+    under DDP is refused before any engine is set up, and so is a DDP checkpoint under DeepSpeed
+    (tests below)."""
     full = tmp_path / "full"
     r = torchrun(*DS, f"hydra.run.dir={full}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     step2 = full / "checkpoints" / "step-00000002"
+    before = sorted(p.relative_to(full) for p in full.rglob("*"))
     one = tmp_path / "one"
     r = run_cli(*DS, f"resume={step2}", f"hydra.run.dir={one}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resume: 2 -> 1 processes: accum_steps 2 -> 4, global batch 16 kept" in r.stdout
     assert "step-00000002 made into a universal checkpoint for 1 process(es) (ds_to_universal" in r.stdout
-    assert not list((full / "checkpoints").glob(".tmp-universal-*"))
+    # made in this run's checkpoint directory, removed once loaded; the other run's left as it was
+    assert not list((one / "checkpoints").glob(".tmp-*")) and sorted(p.relative_to(full) for p in full.rglob("*")) == before
     want = losses(full)
     assert losses(one) == pytest.approx({3: want[3], 4: want[4]}, rel=1e-5)
     same_weights(full, one, atol=1e-5)
@@ -289,3 +292,13 @@ def test_a_global_batch_the_processes_cannot_split_is_refused_naming_the_counts_
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in one.rglob("*") if p.is_file()} == before
     assert json.loads((ckpt / "meta.json").read_text())["geometry"] == {
         "engine": "local", "format": "looplib", "world_size": 1, "batch_size": 3, "accum_steps": 1, "global_batch": 3}
+
+    # the local engine's checkpoint under DeepSpeed: refused before DeepSpeed is set up (it took ~50 s)
+    r = run_cli(*job, "+engine=deepspeed", "max_steps=4", f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'ds'}",
+                cwd=tmp_path)
+    assert r.returncode == 2 and "DeepSpeed config derived" not in r.stdout, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "looplib: error: resume: the checkpoint was written by +engine=local (whole tensors or "
+        "torch.distributed.checkpoint shards), which +engine=deepspeed cannot load; resume with +engine=ddp, "
+        "+engine=fsdp or +engine=local, or start a new run")
+    assert not (tmp_path / "ds").exists()

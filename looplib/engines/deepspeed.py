@@ -118,6 +118,7 @@ class DeepSpeed(Distributed):
         self.chosen = None        # the loop's precision on this engine (DeepSpeedPrecision), from precision_for
         self.derived: dict = {}
         self._universal = False   # resume through a universal checkpoint (another number of processes)
+        self._scratch = None      # where it is made (resuming)
 
     # ---------------------------------------------------------------- build-time checks
 
@@ -287,11 +288,13 @@ class DeepSpeed(Distributed):
         Every rank calls it."""
         self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
 
-    def resuming(self, checkpoint: Path, saved_world: int) -> None:
+    def resuming(self, checkpoint: Path, saved_world: int, scratch: Path) -> None:
         """ZeRO partitions optimizer state (stage 1-3) or parameters (3) over the processes that
         saved them: on another number of processes they load through DeepSpeed's universal
-        checkpoint (``load_universal`` in the derived config; ``load_checkpoint`` converts)."""
+        checkpoint (``load_universal`` in the derived config; ``load_checkpoint`` converts into
+        ``scratch``, never beside a checkpoint of another run)."""
         self._universal = saved_world != self.world_size and any(Path(checkpoint).glob("*zero_pp_rank_*"))
+        self._scratch = Path(scratch)
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state.
@@ -299,7 +302,8 @@ class DeepSpeed(Distributed):
         if self._universal:
             optimizer = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # the torch optimizer ZeRO steps
             built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-            with universal(Path(directory) / tag, self.is_main, self.world_size) as (root, name):
+            with universal(Path(directory) / tag, self._scratch or Path(directory), self.is_main,
+                           self.world_size) as (root, name):
                 path, client_state = self.ds.load_checkpoint(str(root), tag=name)
             fix_universal_groups(optimizer, built, client_state)
         else:
@@ -329,11 +333,12 @@ def fix_universal_groups(optimizer, built: list[dict], client_state: dict | None
 
 
 @contextmanager
-def universal(checkpoint: Path, main: bool, world: int):
+def universal(checkpoint: Path, scratch: Path, main: bool, world: int):
     """DeepSpeed's own universal checkpoint of ``checkpoint`` (``deepspeed.checkpoint.ds_to_universal``:
     each parameter's fp32 weights and optimizer state whole, which ZeRO partitions again over any
-    number of processes), made by rank 0 in a temporary directory beside it, read by every rank
-    (``(root, tag)`` for ``DeepSpeedEngine.load_checkpoint``), removed afterwards."""
+    number of processes), made by rank 0 in a temporary directory in ``scratch`` (``.tmp-*``: a
+    leftover is removed by the next checkpoint's rotation), read by every rank (``(root, tag)``
+    for ``DeepSpeedEngine.load_checkpoint``), removed afterwards."""
     import argparse
     import io
     import shutil
@@ -346,7 +351,8 @@ def universal(checkpoint: Path, main: bool, world: int):
     made, error = None, None
     if main:
         t0 = time.perf_counter()
-        made = Path(tempfile.mkdtemp(dir=checkpoint.parent, prefix=f".tmp-universal-{checkpoint.name}-"))
+        scratch.mkdir(parents=True, exist_ok=True)
+        made = Path(tempfile.mkdtemp(dir=scratch, prefix=f".tmp-universal-{checkpoint.name}-"))
         args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(made / checkpoint.name),
                                   num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                                   inject_missing_state=True)  # one worker: no processes forked from a rank

@@ -129,9 +129,10 @@ class Engine:
         load_model(innermost(model), str(weights))
         optimizer.load_state_dict(optimizer_state)
 
-    def resuming(self, checkpoint: Path, saved_world: int) -> None:
+    def resuming(self, checkpoint: Path, saved_world: int, scratch: Path) -> None:
         """Told before ``prepare`` which checkpoint the run resumes and how many processes wrote
-        it (DeepSpeed then loads through a universal checkpoint). Nothing to do here."""
+        it (DeepSpeed then loads through a universal checkpoint, made in ``scratch``: this run's
+        checkpoint directory, on the file system every rank shares). Nothing to do here."""
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""

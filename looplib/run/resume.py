@@ -111,7 +111,7 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     check_steps(path, checked["step"], settings.max_steps, run_dir)
     if settings.batch_size != "auto":
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
-    engine.resuming(path, saved.world_size)
+    engine.resuming(path, saved.world_size, (run_dir or path.parent) / "checkpoints")
     return Resumed(path, checked, saved)
 
 
