@@ -32,7 +32,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     assert got["allreduces"] == W.STEPS
 
 
-QUICK = ["data=random", "max_steps=4", "log_every=1", "eval_every=2", "eval_batches=1", "sample_tokens=4",
+QUICK = ["data=random", "max_steps=4", "log_every=1", "eval_every=2", "eval_samples=4", "sample_tokens=4",
          "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "accum_steps=2"]
 
 

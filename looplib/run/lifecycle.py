@@ -20,7 +20,9 @@ from typing import Callable
 
 from ..engines.launch import launched_rank, lost_rank_line
 from ..errors import ConfigError, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError
+from ..data.identity import expecting
 from .assembly import Job, Parts, Record, Trained, build, check
+from .resume import expected_identity
 from .rundir import forget, results
 from .settings import Settings
 from .signals import Signals
@@ -40,7 +42,8 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
     try:
         try:
             parts, settings, record = make()
-            job = assemble(parts, settings, record)
+            with expecting(expected_identity(settings.resume, run_dir)):  # data changed under a resume: refused early
+                job = assemble(parts, settings, record)
             if run_dir is not None:
                 shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
                 if shared != run_dir:
