@@ -187,3 +187,25 @@ def test_every_rank_gets_an_equal_share_of_the_held_out_set():
     real = [ids for ids, labels in samples if (labels != -100).any()]
     assert len(samples) == 16 and len(real) == 15
     assert sorted(map(tuple, map(torch.Tensor.tolist, real))) == sorted(map(tuple, map(torch.Tensor.tolist, one)))
+
+
+def test_a_large_cache_is_read_in_full_once_after_each_change(tmp_path, monkeypatch):
+    """Past FULL_CHECK_BYTES, an unchanged file is checked in sampled chunks; any write through
+    the file system (here: one chunk zeroed in place) makes the next open check it in full."""
+    from looplib.data import cache
+    monkeypatch.setattr(cache, "FULL_CHECK_BYTES", 0)   # every file is "large"
+    monkeypatch.setattr(cache, "CHUNK_BYTES", 64)       # 40 chunks of 32 ids
+    reads = []
+    crc = cache.crc_of
+    monkeypatch.setattr(cache, "crc_of", lambda path, *a, **k: reads.append(path.name) or crc(path, *a, **k))
+    made = cache.build("t", "k", 1000, lambda w: w.add(list(range(1, 1281))), root=tmp_path)
+    assert reads.count("tokens.bin") == 40  # opened once built: in full (then recorded in checked.json)
+    for _ in range(2):
+        reads.clear()
+        assert len(cache.load(made.path)) == 1
+        assert 8 <= reads.count("tokens.bin") <= 10  # the first, the last and 8 at random
+    with open(made.path / "tokens.bin", "r+b") as fh:
+        fh.seek(20 * 64)
+        fh.write(bytes(64))
+    found, why = cache.opened(made.path)
+    assert found is None and why.startswith("corrupt (bytes 1280-1344 of tokens.bin")
