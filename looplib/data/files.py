@@ -76,10 +76,13 @@ class FileCorpus(Corpus):
             self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
             return info
         info = load_tokenizer(str(spec))
-        source = Path(str(spec)).expanduser().resolve()
-        source = source / "tokenizer.json" if (source / "tokenizer.json").is_file() else source
-        self.identity["tokenizer"] = identity.part([source], file_digests([source]) if source.is_file() else ["-"])
-        self.identity["tokenizer"]["digest"] = info.digest  # the tokenisation itself, not the file's bytes
+        path = Path(str(spec)).expanduser().resolve()
+        folder = path if path.is_dir() else path.parent  # (its tokenizer_config.json is read too)
+        files = [f for f in (path if path.is_file() else folder / "tokenizer.json", folder / "tokenizer_config.json",
+                             folder / "chat_template.jinja") if f.is_file()]
+        # the tokenisation itself (not the files' bytes): the vocabulary and merges, the specials, the chat template
+        self.identity["tokenizer"] = {**identity.part(files, file_digests(files)), "digest": identity.digest_over(
+            info.digest, info.eos_id, info.pad_id, info.prefix, info.suffix, info.chat_template)}
         identity.check({"tokenizer": self.identity["tokenizer"]})  # before anything is tokenised with it
         if vocab_size != info.vocab_size:
             raise ConfigError("data.vocab_size", f"data.vocab_size={vocab_size} but the tokenizer at {spec} has "
