@@ -66,8 +66,8 @@ class FileCorpus(Corpus):
     def check_files(self, files: list[Path], key: str) -> None:
         """Plain text and records both work for text data (subclasses need records)."""
 
-    def fingerprint(self) -> dict:
-        return self.identity
+    def fingerprint(self) -> dict | None:
+        return getattr(self, "identity", None)  # (None: data=classification without files is random data)
 
     def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path], digests: list[str]) -> TokenizerInfo:
         if spec is None:
