@@ -153,7 +153,8 @@ def test_an_optuna_search_under_torchrun_trains_one_configuration_per_trial(tmp_
     r = run_cli("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "looplib.train", "-m",
                 "+engine=ddp", "hydra/sweeper=optuna", "lr=tag(log, interval(1e-3, 1e-1))", "hydra.sweeper.n_trials=3",
                 "hydra.sweeper.pruner=none", "hydra.sweeper.sampler.seed=1", *job, "batch_size=2",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path, module="torch.distributed.run")
+                f"hydra.sweep.dir={sweep}", cwd=tmp_path, module="torch.distributed.run",
+                env={"PYTHONFAULTHANDLER": "1"})  # a rank that aborts says where
     assert r.returncode == 0, r.stderr
     study = optuna.load_study(study_name="looplib", storage=f"sqlite:///{sweep / 'study.db'}")
     trials = study.get_trials()

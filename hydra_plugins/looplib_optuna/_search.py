@@ -254,7 +254,7 @@ class StudySearch:
             to_go -= batch
             told += trials
             self.stop_if_failing(study, told)
-        self.ranks.hand_out(None, 0)  # the other ranks' sweep ends with this one's
+        self.ranks.end()  # the other ranks' sweep ends with this one's
         self.write_results(study)
 
     def stop_if_failing(self, study: optuna.study.Study, told: list) -> None:
@@ -264,7 +264,7 @@ class StudySearch:
         failed = [t.number for t in told if states[t.number].state == optuna.trial.TrialState.FAIL]
         if len(failed) / len(told) <= self.max_failure_rate:
             return
-        self.ranks.hand_out(None, 0)
+        self.ranks.end()
         self.write_results(study)
         print(f"looplib: error: hydra.sweeper.max_failure_rate: {len(failed)} of the {len(told)} trials this sweep "
               f"ran failed ({len(failed) / len(told):.2g} > {self.max_failure_rate:g}), so it stopped; the study is "
@@ -332,8 +332,19 @@ class Ranks:
         while True:
             jobs, first = self.launch.broadcast_object(None)
             if jobs is None:
-                return
+                return self.close()
             launcher.launch(jobs, initial_job_idx=first)
+
+    def end(self) -> None:
+        """The sweep is over: the others told, then every rank's process group closed together
+        (rank 0 hosts the group's store: a rank still tearing down after it exits aborts)."""
+        self.hand_out(None, 0)
+        self.close()
+
+    def close(self) -> None:
+        if self.several:
+            self.launch.barrier()
+            self.launch.destroy_process_group()
 
 
 def command(overrides: list[str]) -> str:

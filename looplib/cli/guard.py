@@ -101,7 +101,8 @@ class RunDirGuard(Callback):
         resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
         try:
             check(path, None if resume is None else str(resume), key)
-            made(path, key)
+            if launch.launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
+                made(path, key)
         except ConfigError as err:
             refuse(err)
 

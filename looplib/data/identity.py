@@ -24,6 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import make_dir_beside
 from ..errors import ConfigError
 
 MAX_LISTED = 10_000   # splits of more files keep one digest, not one per file
@@ -175,10 +176,9 @@ def tokenizer_digest(tok) -> str:
 def put_back(source: Path, target: Path) -> None:
     """The checkpoint's copy of the tokenizer into the cache (beside, then renamed; best effort)."""
     import shutil
-    import tempfile
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        tmp = make_dir_beside(target, target.name + ".tmp")  # (as the umask makes any)
     except OSError:
         return  # a read-only cache: the checkpoint's copy is used all the same
     try:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..atomic import as_umask
 from ..errors import ConfigError
 
 
@@ -164,6 +165,7 @@ def write_safetensors(module, path: Path) -> None:
         module = _StateDict(module)
     tmp = path.with_name(path.name + ".tmp")
     save_model(module, str(tmp))
+    as_umask(tmp)  # safetensors writes 0600
     os.replace(tmp, path)
 
 
