@@ -174,7 +174,7 @@ def test_deepspeed_zero2_resumes_on_one_process_through_a_universal_checkpoint(t
 
 # ---------------------------------------------------------------- a lost node
 
-ELASTIC = ["+engine=ddp", "data=random", "max_steps=60", "log_every=1", "eval_every=0", "eval_batches=1",
+ELASTIC = ["+engine=ddp", "data=random", "max_steps=60", "log_every=1", "eval_every=0", "eval_samples=4",
            "sample_tokens=0", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
            "batch_size=4", "accum_steps=2", "checkpoint.every_steps=4", "checkpoint.keep=100", "progress=lines"]
 

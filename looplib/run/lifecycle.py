@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..engines.launch import launched_rank, lost_rank_line
+from ..data.identity import expecting
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError,
                       disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
-from .resume import plan
+from .resume import expected_identity, plan
 from .rundir import forget, results
 from .settings import Settings
 from .signals import Signals
@@ -55,8 +56,10 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
             # the checkpoint to continue from, and the split of its global batch on these processes:
             # settled before the data, the model or the engine exist (a refusal costs nothing)
             resumed = plan(parts.engine, settings, record, run_dir)
-            parts.build_later()
-            job = build(parts, settings, record)
+            taken = str(resumed.path) if resumed is not None and resumed.path is not None else None
+            with expecting(expected_identity(taken, run_dir)):  # data changed under a resume: refused early
+                parts.build_later()
+                job = build(parts, settings, record)
             trained = train(job, run_dir, signals, metrics, export, resumed)
         finally:
             if parts is not None and parts.precision is not None:
