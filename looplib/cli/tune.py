@@ -172,7 +172,8 @@ class Progress:
             self.bar.set_postfix_str(best_text)
             self.bar.write(f"[tune] {row.candidate.label()}: {row.status}: {what}")
         else:
-            print(f"[tune] {len(search.rows)}: {row.candidate.label()}: {row.status}: {what}; {best_text}", flush=True)
+            print(f"[tune] {search.rows.index(row) + 1}: {row.candidate.label()}: {row.status}: {what}; {best_text}",
+                  flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -217,7 +218,7 @@ def run(argv: list[str]) -> int:
     stopped = None
     search = Search(space, job, cmd.tune, run_dir, planner(job, space, size), limit, job_plan, world,
                     limit_measured=device.type == "cuda", progress=Progress(main),
-                    stop=lambda: signals.signum)
+                    stop=lambda: signals.signum, note=lambda text: main and print(f"[tune] {text}", flush=True))
     loads = [os.getloadavg()[0]]
     try:
         with signals.deferred():  # a signal sets a flag; the search polls it (a second Ctrl-C: at once)

@@ -1,10 +1,11 @@
 """The search: plan every candidate, measure the survivors in the order likely fastest first,
 measure the leaders again beside the job as given, and decide.
 
-0. Priming (untimed): the job as given runs a step, so that the one-off costs of a first run
-   (the token cache, the file cache) are paid before the first timed candidate; each candidate
-   that compiles runs once untimed before its first timed run (the compile cache: the user's
-   run after tune finds it warm, so the timed runs do too; the cold compile is reported).
+0. Priming (untimed; ``tune.prime=false``: none): the job as given runs a step, so that the
+   one-off costs of a first run (the token cache, the file cache) are paid before the first timed
+   candidate; each candidate that compiles runs once untimed before its first timed run (the
+   compile cache: the user's run after tune finds it warm, so the timed runs do too; the cold
+   compile is reported).
 1. The job as given: the reference every candidate's time is a multiple of, and the loss
    reference.
 2. Micro-batch x accumulation (the global batch never changes) with and without activation
@@ -87,6 +88,7 @@ class Search:
     limit_measured: bool = True       # the measured peak is held to the limit too (CUDA: allocated bytes,
                                       # comparable to the plan; the CPU's RSS also counts Python's own memory)
     progress: Callable[[Row, "Search"], None] = lambda row, search: None
+    note: Callable[[str], None] = lambda text: None   # a line for the user (the priming runs)
     stop: Callable[[], int | None] = lambda: None   # a signal's number once one asked the search to stop
     rows: list[Row] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -119,7 +121,7 @@ class Search:
             row.status, row.reason = "skipped", f"over the budget (tune.budget_s={self.tune.budget_s:g})"
         else:
             row.status = "running"
-            if self.compiles(c):
+            if self.compiles(c) and self.tune.prime:
                 self.prime(row)
             outcome = self.run_once(row)
             row.outcome = outcome
@@ -164,6 +166,7 @@ class Search:
 
     def prime(self, row: Row) -> None:
         """An untimed run of ``row``'s candidate that pays its one-off costs (the compile cache)."""
+        self.note(f"{row.candidate.label()}: one untimed run first, to fill the compile cache")
         outcome = self.measure(row, self.job_plan.measurement(self.tune.steps, 1, False))  # its evaluations too
         row.primed = outcome
         self.primes.append({"candidate": row.candidate.label(), "status": outcome.status,
@@ -177,6 +180,7 @@ class Search:
         if planned is not None and self.limit is not None and planned > self.limit and self.space.micro_batches():
             c = Candidate().with_(batch=(1, self.space.per_rank))
         row = Row(c, self.space.overrides(c))
+        self.note(f"{c.label()}: one untimed step first, to fill the token and file caches")
         outcome = self.measure(row, ["max_steps=1", "log_every=1", "eval_every=0", "eval_batches=0",
                                      "checkpoint.enabled=false", "sample_tokens=0", "progress=lines", "resume=null"],
                                warmup=0)
@@ -201,7 +205,8 @@ class Search:
         return max((o.wall_s for r in self.rows for o in r.runs), default=0.0)
 
     def over_budget(self) -> bool:
-        return self.elapsed() + self.expected() > self.tune.budget_s
+        over = self.elapsed() + self.expected() > self.tune.budget_s
+        return self.world.broadcast(over) if self.world is not None else over  # the ranks run the same runs
 
     def check_numerics(self, row: Row) -> None:
         """Compare the candidate's loss with the reference's on the same batches."""
@@ -277,7 +282,8 @@ class Search:
 
     # ---------------------------------------------------------------- the stages
     def run(self) -> list[Row]:
-        self.prime_caches()
+        if self.tune.prime:
+            self.prime_caches()
         self.try_(Candidate(), "the job as given")
         self.batch_and_checkpointing()
         base = self.leader() or Candidate()
@@ -403,9 +409,10 @@ class Search:
         self.judge()
         ref = self.timing_reference()
         eligible = self.eligible()
-        if ref is None:
+        if ref is None or ref not in eligible:
             self.choice = None if not eligible else min(eligible, key=self.time)
-            self.why = "the job as given did not run: the fastest that did (measured once)" if eligible else ""
+            self.why = ("the job as given did not run, or not within the memory limit: the candidate that finished "
+                        "first among those that did" if eligible else "")
             return
         faster = [r for r in eligible if r.verdict == stats.FASTER]
         self.too_noisy = [r.candidate.label() for r in eligible if r.verdict == stats.NOISY

@@ -47,6 +47,7 @@ class Tune:
         "fix": "use the relative loss difference allowed for precision/optimizer changes, e.g. tune.loss_tolerance=0.05"})
     fresh: bool = False
     dry_run: bool = False
+    prime: bool = True  # untimed runs first: the token and file caches, each compiling candidate's compile cache
     speed_margin: NonNegative[float] = field(default=0.02, metadata={
         "fix": "use the relative speed-up a change must bring to be kept, e.g. tune.speed_margin=0.02"})
     finalists: NonNegative[int] = field(default=2, metadata={
