@@ -13,7 +13,8 @@ measure the leaders again beside the job as given, and decide.
    a micro-batch slower than a larger one that fitted ends that branch (the smaller ones are
    ``skipped``: dominated); checkpointing is measured at the best micro-batch and at the larger
    ones it makes fit.
-3. From the fastest so far, each remaining dimension one option at a time (compile modes, the
+3. From the fastest so far (measured once more beside the reference first: one noisy run must
+   not choose the base), each remaining dimension one option at a time (compile modes, the
    chunked loss, optimizer kernels, engines; with ``tune.numerics=allow`` precisions and
    optimizers).
 4. The options that each beat it, together (and, when they save memory, one micro-batch larger).
@@ -286,9 +287,10 @@ class Search:
             self.prime_caches()
         self.try_(Candidate(), "the job as given")
         self.batch_and_checkpointing()
-        base = self.leader() or Candidate()
+        others = [d for d in self.space.options if d not in ("batch", "checkpointing")]
+        base = (self.confirmed_leader() if others else self.leader()) or Candidate()
         improved = {}
-        for dim in [d for d in self.space.options if d not in ("batch", "checkpointing")]:
+        for dim in others:
             winner = base_time = self.time_of(base)
             for option in self.space.options[dim][1:]:
                 row = self.try_(base.with_(**{dim: option}), f"vary {dim}")
@@ -301,6 +303,19 @@ class Search:
         self.finals()
         self.decide()
         return self.rows
+
+    def confirmed_leader(self) -> Candidate | None:
+        """The leader, measured once more beside the reference before the other dimensions are
+        varied from it: one noisy run must not choose the base of the rest of the search."""
+        lead, ref = self.leader(), self.timing_reference()
+        row = self.row(lead) if lead is not None else None
+        if row is None or ref is None or row is ref or len(row.runs) > 1 or self.over_budget():
+            return lead
+        self.run_once(row, measure_sample=False)
+        self.run_once(ref, measure_sample=False)
+        self.judge()
+        self.progress(row, self)
+        return self.leader()
 
     def mark_memory(self) -> None:
         for row in self.rows:
