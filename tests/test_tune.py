@@ -137,6 +137,7 @@ def test_compile_does_not_pay_for_a_short_job_and_a_noisy_run_is_measured_again(
     assert compiled["parts_s"]["warmup"] + compiled["parts_s"]["evaluations"] > given["parts_s"]["warmup"]
     md = (tmp_path / "t" / "tune.md").read_text()
     assert f"after {steps:,.0f} steps" in md and "noisy run(s) measured again and set aside" in md
+    assert f"compile=default pays for its one-off costs after {steps:,.0f} steps (this job: 24 steps)" in md
 
 
 def test_plan_pruning_out_of_memory_and_divergence_never_end_the_search(tmp_path, monkeypatch):

@@ -129,6 +129,12 @@ def markdown(result: dict) -> str:
     decision = result.get("decision") or {}
     if decision.get("why"):
         lines += [f"**Choice**: {decision.get('candidate', '-')}: {decision['why']}.", ""]
+    steps = (result.get("job_plan") or {}).get("max_steps")
+    later = [r for r in rows if r.get("pays_off_after_steps") and steps and r["pays_off_after_steps"] > steps]
+    if later:
+        lines += ["Faster per step, but not for a job this short: " + "; ".join(
+            f"{r['candidate']} pays for its one-off costs after {r['pays_off_after_steps']:,.0f} steps" for r in later)
+            + f" (this job: {steps:,} steps).", ""]
     if result.get("primed"):
         lines += ["Paid before the first timed run (untimed): " + "; ".join(
             f"{p['candidate']} ({p.get('what') or 'the compile cache'}: {p['wall_s']:.0f} s"
