@@ -4,7 +4,6 @@ objective (the time to finish the job) and its statistics: compile's cost agains
 recompiles on batches that change shape, a noisy run measured again, the decision for a short
 and a long job, and a signal mid-candidate."""
 import json
-import math
 import os
 import signal
 import subprocess

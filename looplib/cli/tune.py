@@ -277,11 +277,6 @@ def outcome(cmd: Command, search: Search, device, device_name: str, size: int, m
                 "command": command(without(cmd.job, best_row.overrides), best_row.overrides, launcher(size)),
                 "job_s": round(search.time(best_row), 2) if best_row.measured else None,
                 "samples_per_s": best_row.speed}}
-    if world:  # every rank took the same decisions from the same agreed outcomes: checked, not assumed
-        result["ranks"] = world.gather(result["best"] and result["best"]["candidate"])
-        if len(set(result["ranks"])) != 1:
-            raise ConfigError("tune", f"the ranks chose different candidates ({result['ranks']})",
-                              "this is a bug in looplib.tune: please report it with tune.json")
 
 
 def launcher(size: int) -> str:
