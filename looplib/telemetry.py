@@ -125,6 +125,7 @@ class Telemetry:
     # what compiling has cost so far (looplib.compile's report: cumulative compile_s, compiles), written
     # with every row so that a recompile shows where it happened; {} when nothing is compiled
     compiled = staticmethod(lambda: {})
+    about: dict = {}   # facts about the run said once, in the first row (the model's dropout)
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
@@ -215,6 +216,7 @@ class Telemetry:
             row["peak_mem_measures"], self._memory = self._memory, None
             row["mem_at_start_mb"] = self._mem_at_start
             row["started_at"] = self._started_at
+            row.update(self.about)
         row.update(self._extra(dt))
         row.update(self.compiled())
         self.write(row)

@@ -74,6 +74,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
     telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
+    dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
+    telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
              "optimizer %s", type(engine.unwrap(job.model)).__name__,

@@ -50,6 +50,7 @@ class Outcome:
     wall_s: float = 0.0
     repeats: list[float] = field(default_factory=list)
     timing: Run | None = None         # what each part of the run took (objective.Run)
+    dropout: float = 0.0              # the model's dropout (the first row): its masks change with the micro-batch
 
 
 def measure(run_dir: Path, job: list[str], overrides: list[str], measurement: list[str], warmup_steps: int,
@@ -150,7 +151,8 @@ def read(run_dir: Path, steps: int, spawned: float, ended: float, load: float | 
         return Outcome("error", "the run's metrics.jsonl lacks its timings (started_at)")
     return Outcome("measured", "", median, (max(speeds) - min(speeds)) / median if median else None,
                    statistics.median(r[items] for r in timed) if items == "tokens_per_s" else None,
-                   round(peak, 1), timing.compile_s, losses[-1], repeats=speeds, timing=timing)
+                   round(peak, 1), timing.compile_s, losses[-1], repeats=speeds, timing=timing,
+                   dropout=first.get("dropout", 0.0))
 
 
 def test_env(label: str, run: int) -> dict:

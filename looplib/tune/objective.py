@@ -68,7 +68,7 @@ class JobPlan:
         if self.saves():
             parts.append(f"{self.saves()} checkpoint save(s)")
         if self.sample_tokens:
-            parts.append(f"a {self.sample_tokens}-token sample")
+            parts.append(f"a sample of {self.sample_tokens} tokens")
         return ", ".join(parts)
 
 
