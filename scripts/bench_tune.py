@@ -15,7 +15,8 @@ t-interval on their logarithms) against the measured ones (likewise), their rati
 predicted with Welch's 95% interval (``looplib.tune.stats``: "agree" when it holds 1), and tune's
 command against the job as given, measured (its ratio and interval: "never slower" when the
 interval's low end is at most 1). The 1-minute load average is recorded before every run: the
-machine is shared. Written to --out: tune_bench.md and tune_bench.json.
+machine is shared. Written to --out: tune_bench.md and tune_bench.json (a job run again replaces
+its own results there; the other jobs' stay).
 """
 from __future__ import annotations
 
@@ -185,10 +186,14 @@ def main() -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     started = time.strftime("%Y-%m-%d %H:%M")
     every = jobs(work)
-    results = []
+    saved = out / "tune_bench.json"
+    results = json.loads(saved.read_text()) if saved.exists() else []  # other jobs' results stay
     for name in args.jobs.split(","):
-        results.append(bench_job(name, every[name], work, args.repeats, args.tune_args, env))
-        (out / "tune_bench.json").write_text(json.dumps(results, indent=1) + "\n")
+        done = bench_job(name, every[name], work, args.repeats, args.tune_args, env)
+        done["date"] = time.strftime("%Y-%m-%d %H:%M")
+        results = [r for r in results if r["job"] != name] + [done]
+        results.sort(key=lambda r: list(every).index(r["job"]))
+        saved.write_text(json.dumps(results, indent=1) + "\n")
         (out / "tune_bench.md").write_text(markdown(results, started))
     print((out / "tune_bench.md").read_text())
 
