@@ -144,7 +144,7 @@ def bench_job(name: str, job: list[str], work: Path, repeats: int, tune_args: li
 
 
 def markdown(results: list[dict], started: str) -> str:
-    lines = [f"# looplib.tune: predicted against measured ({started})", "",
+    lines = ["# looplib.tune: predicted against measured", "",
              f"Machine: {os.cpu_count()} cores, shared with other work while it ran (1-minute load average "
              "before each run in the json). Seconds from each process's start to its exit; intervals are 95% "
              "(t on the logarithms of the runs; the ratio: Welch's).", "",
@@ -167,8 +167,9 @@ def markdown(results: list[dict], started: str) -> str:
         lines.append(f"| {res['job']} | {v['ratio']:.2f}x" + (f" [{v['low']:.2f}-{v['high']:.2f}]" if v["low"] else "")
                      + f" | {'yes' if res['never_slower'] else 'no'} | {res['tune_seconds']:,.0f} | "
                      f"{load.get('min', '-')}-{load.get('max', '-')} |")
-    lines += ["", "The jobs:", ""] + [f"- {r['job']}: `python -m looplib.train {' '.join(r['overrides'])}`; tune chose "
-                                      f"{r['choice']}: {r['why']}" for r in results]
+    lines += ["", "The jobs:", ""] + [f"- {r['job']} ({r.get('date', started)}): `python -m looplib.train "
+                                      f"{' '.join(r['overrides'])}`; tune chose {r['choice']}: {r['why']}"
+                                      for r in results]
     return "\n".join(lines) + "\n"
 
 
