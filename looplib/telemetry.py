@@ -122,6 +122,10 @@ class Telemetry:
     # Telemetry (writing or not) reaches _log at the same steps.
     reduce_loss = staticmethod(lambda loss: loss)
     items = "tokens"   # what the objective counts (classification: sequences): <items>_per_s
+    # what compiling has cost so far (looplib.compile's report: cumulative compile_s, compiles), written
+    # with every row so that a recompile shows where it happened; {} when nothing is compiled
+    compiled = staticmethod(lambda: {})
+    about: dict = {}   # facts about the run said once, in the first row (the model's dropout)
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
@@ -150,7 +154,8 @@ class Telemetry:
         self.boundaries = 0           # accumulation windows closed
         self._loss, self._watched, self._seen = None, None, 0
         self._interval = {"steps": 0, "samples": 0, "items": 0}
-        self._t0 = self._t_start = time.perf_counter()
+        self._t0 = self._t_start = self._stepped_at = time.perf_counter()
+        self._started_at = time.time()  # wall clock at the start of training (first row: started_at)
         self.last_row: dict = {}
         self.resumed_from: int | None = None  # marks the first row after a resume
         self._memory = reset_peak_memory(self.device) if enabled else None  # said once, in the first row
@@ -190,6 +195,7 @@ class Telemetry:
             self.bar.update(1)
         if step == 1 or step % self.log_every == 0 or step == self.total:
             self._log(step, epoch, lr, grad_norm, skipped)
+        self._stepped_at = time.perf_counter()
 
     def _log(self, step, epoch, lr, grad_norm, skipped=None):
         loss = self.reduce_loss(self._loss).item() / self._interval["steps"]  # the sync point, once per log
@@ -209,7 +215,10 @@ class Telemetry:
         if self._memory:
             row["peak_mem_measures"], self._memory = self._memory, None
             row["mem_at_start_mb"] = self._mem_at_start
+            row["started_at"] = self._started_at
+            row.update(self.about)
         row.update(self._extra(dt))
+        row.update(self.compiled())
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}
@@ -236,16 +245,22 @@ class Telemetry:
             row["device_mem_used_mb"] = round(used, 1)
         return row
 
-    def eval(self, step: int, loss: float) -> None:
+    def eval(self, step: int, loss: float, seconds: float | None = None) -> None:
+        """An evaluation's row, with ``eval_s``: its seconds (default: since the last optimizer
+        step, which the loop's evaluation follows). The next interval's throughput leaves them out."""
+        if seconds is None:
+            seconds = time.perf_counter() - self._stepped_at
+        self._t0 += seconds  # samples_per_s measures training steps, not the evaluations between them
+        timing = {"eval_s": round(seconds, 4), **self.compiled()}
         metrics = getattr(loss, "metrics", None)  # a classifier's accuracy (looplib.evaluation.Scores)
         if metrics:
-            self.write({"step": step, "eval_loss": float(loss), **metrics})
+            self.write({"step": step, "eval_loss": float(loss), **metrics, **timing})
             if self.enabled:
                 log.info("step %d: eval loss %.4f, %s", step, loss, ", ".join(
                     f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items()))
             return
         ppl = math.exp(loss) if loss < 50 else float("inf")
-        self.write({"step": step, "eval_loss": loss, "eval_perplexity": ppl})
+        self.write({"step": step, "eval_loss": loss, "eval_perplexity": ppl, **timing})
         if self.enabled:  # through logging, so train.log has it too; above the bar on a terminal
             log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, ppl)
 

@@ -123,7 +123,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     timed = train[warmup:]
-    compiled = next((r for r in rows if "compile_s" in r), {})
+    compiled = next((r for r in reversed(rows) if "compile_s" in r), {})  # cumulative: the last row has all
     config = (run_dir / "config.yaml").read_text()
     batch = next((line.split(":")[1].strip() for line in config.splitlines() if line.startswith("batch_size:")), "?")
     return {"row": name, "overrides": overrides, "status": "ok", "steps": len(timed), "micro_batch": batch,

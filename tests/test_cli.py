@@ -57,7 +57,7 @@ def test_multirun_four_jobs(tmp_path):
     # -m among the overrides, as people type it after the fact (Hydra's parser alone refuses that)
     # and a key of the swept group set once for every job (Hydra alone wants ++optim.lr there)
     r = run_cli("+precision=fp32,bf16", "-m", f"+optim={optims}", "optim.lr=0.0123", "max_steps=5", "data=random",
-                "batch_size=4", "log_every=5", "eval_samples=4", "sample_tokens=0",
+                "batch_size=4", "log_every=5", "eval_samples=4",  # a sweep's jobs: no sample unless asked
                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir() and p.name.isdigit())
@@ -68,7 +68,22 @@ def test_multirun_four_jobs(tmp_path):
         seen.add(overrides)
         assert metrics(job)[-1]["step"] == 5 and metrics(job)[0]["lr"] == pytest.approx(0.0123)
         assert (job / "model.safetensors").exists()
+        assert "\nsample_tokens: 0\n" in (job / "config.yaml").read_text() and not (job / "sample.txt").exists()
     assert len(seen) == 4
+
+
+@pytest.mark.parametrize("mode,task,expected", [("MULTIRUN", ["lr=1e-3"], 0), ("MULTIRUN", ["sample_tokens=7"], 7),
+                                                ("RUN", [], 160)])
+def test_a_sweeps_jobs_sample_only_when_the_command_line_asks(mode, task, expected):
+    from hydra.conf import HydraConf
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    from looplib.cli.sweep import no_sample_unless_asked
+    hydra = OmegaConf.merge(OmegaConf.structured(HydraConf), {"mode": mode, "overrides": {"task": task}})
+    HydraConfig.instance().set_config(OmegaConf.create({"hydra": hydra}))
+    cfg = OmegaConf.create({"sample_tokens": 7 if task == ["sample_tokens=7"] else 160})
+    no_sample_unless_asked(cfg)
+    assert cfg.sample_tokens == expected
 
 
 BAD = [

@@ -132,6 +132,26 @@ def test_compiled_loss_equals_eager():
     assert report["compiles"] >= 1 and report["compile_s"] > 0
 
 
+def test_the_end_of_run_sample_runs_on_the_uncompiled_model(capsys):
+    """Generation is never compiled by the training compile: a prompt growing by a token a step
+    would recompile (issue 28: a 52 s sample after a 30 s job)."""
+    from types import SimpleNamespace
+    from looplib.engines import Engine
+    from looplib.precision import Precision
+    from looplib.run.training import print_sample
+    torch._dynamo.reset()
+    strategy = TorchCompile(backend="aot_eager")
+    model = strategy.wrap(tiny_gpt())
+    data = SimpleNamespace(sample_prompt=lambda: "ab", encode=lambda t: [1, 2], decode=lambda ids: str(ids))
+    job = SimpleNamespace(model=model, data=data, engine=Engine("cpu"), precision=Precision(),
+                          settings=SimpleNamespace(seed=0))
+    print_sample(job, 5)
+    assert "a sample from the trained model" in capsys.readouterr().out
+    assert strategy.report()["compiles"] == 0
+    model(torch.zeros(1, 4, dtype=torch.long))  # training's forward still is compiled
+    assert strategy.report()["compiles"] == 1
+
+
 def test_reduce_overhead_is_refused_where_cuda_graphs_cannot_run():
     with pytest.raises(ConfigError) as err:
         TorchCompile(mode="reduce-overhead", dynamic=True)
@@ -183,7 +203,8 @@ def test_chunked_loss_and_padded_vocab_through_the_cli(tmp_path, token_cache):
     r = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"LOOPLIB_CACHE": token_cache})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3] and "eval_loss" in rows[-1]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3] and "eval_loss" in rows[-2]
+    assert rows[-2]["eval_s"] > 0 and set(rows[-1]) == {"step", "sample_s"}  # the sample's seconds close the rows
     assert not any("compile_s" in row for row in rows)
     from safetensors.torch import load_file
     assert load_file(tmp_path / "run" / "model.safetensors")["head.weight"].shape == (128, 32)  # tied: saved once

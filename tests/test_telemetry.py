@@ -40,6 +40,34 @@ def test_metrics_rows_and_throughput(tmp_path):
     assert total <= rows[-1]["elapsed_s"] and total == pytest.approx(rows[-1]["elapsed_s"], rel=0.1)
 
 
+def test_evaluations_are_timed_and_left_out_of_the_throughput(tmp_path):
+    """Each evaluation row carries eval_s, and the next interval's step time leaves it out: steps
+    plus evaluations account for the elapsed time. The first row says when training started, and
+    a compiled run's rows carry its compile seconds so far (looplib.tune reads them)."""
+    import time
+    path = tmp_path / "metrics.jsonl"
+    model = tiny_gpt()
+    before = time.time()
+    telemetry = Telemetry(path, log_every=4, total_steps=12, progress="lines")
+    telemetry.compiled = lambda: {"compile_s": 1.5, "compiles": 2}
+
+    def slow_evaluation(*args):
+        time.sleep(0.2)
+        return 1.0
+    fit(model, build_loader(random_tokens(n=64), batch_size=4, seed=0), objective=TokenCrossEntropy(),
+        optimizer=lo.AdamW(lr=1e-3).build(model), max_steps=12, telemetry=telemetry, eval_data=[None],
+        eval_every=4, evaluator=slow_evaluation)
+    telemetry.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+    assert before <= rows[0]["started_at"] <= time.time() and "started_at" not in rows[1]
+    assert [r["step"] for r in evals] == [4, 8, 12] and all(r["eval_s"] >= 0.2 for r in evals)
+    assert all(r["compile_s"] == 1.5 and r["compiles"] == 2 for r in rows)
+    counts = [r["step"] - p for p, r in zip([0] + [r["step"] for r in steps[:-1]], steps)]
+    accounted = sum(r["step_time_s"] * n for r, n in zip(steps, counts)) + sum(r["eval_s"] for r in evals[:-1])
+    assert accounted == pytest.approx(steps[-1]["elapsed_s"], rel=0.1)
+
+
 def test_each_job_gets_its_own_memory_peak(tmp_path):
     """A sweep runs its jobs in one process: the peak is reset when a job's Telemetry starts, so a
     small job after a big one does not inherit the big one's peak (CPU: the process's peak RSS)."""

@@ -101,6 +101,7 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
+    sweep.no_sample_unless_asked(cfg)
     status = sweep.job(lambda: run(cfg, run_dir, signals))  # in a sweep, a crash is a failed trial
     signals.finish()                 # from here on a signal changes nothing
     rundir.write_exit_status(status)

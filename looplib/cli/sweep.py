@@ -49,6 +49,16 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def no_sample_unless_asked(cfg: "DictConfig") -> None:
+    """A sweep's jobs end without the end-of-run sample (``sample_tokens=0``) unless the command
+    line sets ``sample_tokens``: a trial is judged by its metric, and the sample would cost every
+    trial its seconds. The saved config says 0."""
+    from hydra.core.hydra_config import HydraConfig
+    if in_sweep() and not any(o.lstrip("+~").partition("=")[0] == "sample_tokens"
+                              for o in HydraConfig.get().overrides.task):
+        cfg.sample_tokens = 0
+
+
 def job(execute: Callable[[], int]) -> int:
     """Run the job; in a sweep an unexpected exception is a failed trial (logged with its
     traceback, status 1) instead of the end of the sweep."""

@@ -12,8 +12,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_CONFIG, ConfigError
+from ..errors import EXIT_CONFIG, ConfigError, Interrupted, exit_status, signal_name
 from ..schema import check_options, refuse_unknown
+from ..tune import stats
+from ..tune.objective import JobPlan
 from ..tune.report import command, row_dict, write
 from ..tune.search import MB, Row, Search
 from ..tune.settings import Tune, job_without_measurement, pinned, without
@@ -156,16 +158,22 @@ class Progress:
             return
         best = search.best()
         best_row = search.row(best) if best else None
-        best_text = f"best {best_row.speed:,.2f} samples/s ({best.label()})" if best_row else "best: none yet"
+        best_text = (f"best so far {best.label()} ({search.time(best_row):,.1f} s)" if best_row and best_row.measured
+                     else "best: none yet")
         o = row.outcome
-        what = (f"{o.samples_per_s:,.2f} samples/s (spread {o.spread:.0%}), {o.peak_mem_mb:,.0f} MB"
-                if row.status == "measured" and o else row.reason)
+        ref = search.timing_reference()
+        versus = ("the reference" if row is ref or ref is None or not row.measured
+                  else stats.ratio(search.times(row), search.times(ref)).text() + " the reference's")
+        what = (f"job {search.time(row):,.1f} s ({versus}, run {len(row.runs)}), {row.speed:,.2f} samples/s, "
+                f"{o.peak_mem_mb:,.0f} MB" + (f", compile {o.compile_s:.1f} s" if o.compile_s else "")
+                if row.measured and o else row.reason)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(best_text)
             self.bar.write(f"[tune] {row.candidate.label()}: {row.status}: {what}")
         else:
-            print(f"[tune] {len(search.rows)}: {row.candidate.label()}: {row.status}: {what}; {best_text}", flush=True)
+            print(f"[tune] {search.rows.index(row) + 1}: {row.candidate.label()}: {row.status}: {what}; {best_text}",
+                  flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -176,6 +184,7 @@ def run(argv: list[str]) -> int:
     from .instantiate import check_config
     from ..engines.local import resolve_device
     from ..run.rundir import check as check_run_dir
+    from ..run.signals import Signals
     from ..tune.measure import World
 
     cmd = split(argv)
@@ -204,41 +213,70 @@ def run(argv: list[str]) -> int:
             finish(result, run_dir)
         return 0
     job = job_without_measurement(cmd.job)
-    search = Search(space, job, cmd.tune, run_dir, planner(job, space, size), limit, world,
-                    limit_measured=device.type == "cuda", progress=Progress(main))
-    interrupted = False
+    job_plan = JobPlan.of(settings)
+    signals = Signals().__enter__()  # SIGTERM, SIGUSR1, Ctrl-C: the running candidate goes, the rows are written
+    stopped = None
+    search = Search(space, job, cmd.tune, run_dir, planner(job, space, size), limit, job_plan, world,
+                    limit_measured=device.type == "cuda", progress=Progress(main),
+                    stop=lambda: signals.signum, note=lambda text: main and print(f"[tune] {text}", flush=True))
+    loads = [os.getloadavg()[0]]
     try:
-        if cmd.tune.dry_run:
-            dry_run(search)
-        else:
-            search.run()
-    except KeyboardInterrupt:
-        interrupted = True
-    search.progress.close()
+        with signals.deferred():  # a signal sets a flag; the search polls it (a second Ctrl-C: at once)
+            try:
+                if cmd.tune.dry_run:
+                    dry_run(search)
+                else:
+                    search.run()
+            except Interrupted as stop:
+                stopped = stop.signum
+        stopped = stopped or signals.signum
+        signals.finish()  # from here a signal changes nothing: the rows are written whole
+        if stopped:
+            search.interrupt(stopped)
+        result = outcome(cmd, search, device, device_name, size, memory, job_plan, stopped,
+                         loads + [os.getloadavg()[0]] + [o.timing.load for r in search.rows for o in r.runs
+                                                         if o.timing and o.timing.load is not None])
+        if world:  # every rank took the same decisions from the same agreed outcomes: checked, not assumed
+            result["ranks"] = world.gather(result["best"] and result["best"]["candidate"])
+            if len(set(result["ranks"])) != 1:
+                raise ConfigError("tune", f"the ranks chose different candidates ({result['ranks']})",
+                                  "this is a bug in looplib.tune: please report it with tune.json")
+        if main:
+            write(run_dir, result)
+            if not stopped and not cmd.tune.dry_run:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(result) + "\n")
+            finish(result, run_dir)
+    finally:
+        search.progress.close()
+        signals.__exit__()
+    return exit_status(stopped) if stopped else 0
+
+
+def outcome(cmd: Command, search: Search, device, device_name: str, size: int, memory: str, job_plan: JobPlan,
+            stopped: int | None, loads: list[float]) -> dict:
+    """tune.json's content: the settings, the job's plan, every row, the decision and the best command."""
     best = search.best()
     best_row = search.row(best) if best else None
-    result = {"device": device_name, "world": size, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "job": cmd.job,
-              "tune": vars(cmd.tune), "memory": memory, "dimensions": space.options,
-              "peak_mem_measures": ("GPU memory allocated by torch tensors (peak)" if device.type == "cuda" else
-                                    "the rise of the process's resident memory during the run (RSS peak - RSS at start)"),
-              "interrupted": interrupted, "elapsed_s": round(search.elapsed(), 1),
-              "rows": [row_dict(r) for r in search.rows],
-              "best": None if best_row is None else {
-                  "overrides": best_row.overrides, "candidate": best.label(),
-                  "command": command(without(cmd.job, best_row.overrides), best_row.overrides, launcher(size)),
-                  "samples_per_s": best_row.speed}}
-    if world:  # every rank took the same decisions from the same agreed outcomes: checked, not assumed
-        result["ranks"] = world.gather(result["best"] and result["best"]["candidate"])
-        if len(set(result["ranks"])) != 1:
-            raise ConfigError("tune", f"the ranks chose different candidates ({result['ranks']})",
-                              "this is a bug in looplib.tune: please report it with tune.json")
-    if main:
-        write(run_dir, result)
-        if not interrupted and not cmd.tune.dry_run:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps(result) + "\n")
-        finish(result, run_dir)
-    return 130 if interrupted else 0
+    ref = search.timing_reference()
+    return {"device": device_name, "world": size, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "job": cmd.job,
+            "tune": vars(cmd.tune), "memory": memory, "dimensions": search.space.options,
+            "objective": job_plan.describe(), "job_plan": vars(job_plan),
+            "peak_mem_measures": ("GPU memory allocated by torch tensors (peak)" if device.type == "cuda" else
+                                  "the rise of the process's resident memory during the run (RSS peak - RSS at start)"),
+            "load": {"min": round(min(loads), 2), "max": round(max(loads), 2), "cores": os.cpu_count()},
+            "interrupted": bool(stopped), "stopped_by": signal_name(stopped) if stopped else None,
+            "elapsed_s": round(search.elapsed(), 1), "rounds": search.rounds, "primed": search.primes,
+            "rows": [row_dict(r, search) for r in search.rows],
+            "decision": None if best_row is None else {
+                "candidate": best.label(), "why": search.why if search.choice is not None else
+                "the best so far (the search was stopped before its finals)",
+                "reference": ref.candidate.label() if ref else None, "too_noisy": search.too_noisy},
+            "best": None if best_row is None else {
+                "overrides": best_row.overrides, "candidate": best.label(),
+                "command": command(without(cmd.job, best_row.overrides), best_row.overrides, launcher(size)),
+                "job_s": round(search.time(best_row), 2) if best_row.measured else None,
+                "samples_per_s": best_row.speed}}
 
 
 def launcher(size: int) -> str:
@@ -268,6 +306,14 @@ def dry_run(search: Search) -> None:
 def finish(result: dict, run_dir: Path) -> None:
     print(f"[tune] {len(result['rows'])} candidates in {result['elapsed_s']:.0f} s; tune.json, tune.md, tune.png in "
           f"{run_dir}", flush=True)
+    decision = result.get("decision")
+    if result.get("interrupted"):
+        print(f"[tune] stopped by {result['stopped_by']}: what was measured is in tune.json; the best so far "
+              "(not confirmed by the finals):", flush=True)
+    elif decision:
+        best = result["best"]
+        print(f"[tune] {decision['candidate']}: {decision['why']}"
+              + (f" (predicted {best['job_s']:,.1f} s for the job)" if best.get("job_s") else ""), flush=True)
     if result["best"]:
         print(result["best"]["command"], flush=True)  # last: ready to paste
     else:

@@ -4,8 +4,10 @@ and the end-of-run sample. ``looplib.run.lifecycle.execute`` calls it once the j
 """
 from __future__ import annotations
 
+import json
 import logging
 import shlex
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +78,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.resumed_from = state.step or None
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
+    telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
+    dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
+    telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
              "optimizer %s", type(engine.unwrap(job.model)).__name__,
@@ -97,11 +102,15 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                             main=engine.is_main)
                 return trained
             if eval_set and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
-                telemetry.eval(state.step, job.evaluation(job.model, eval_set, job.objective,
-                                                          job.precision, engine))
+                t0 = time.perf_counter()
+                loss = job.evaluation(job.model, eval_set, job.objective, job.precision, engine)
+                telemetry.eval(state.step, loss, seconds=time.perf_counter() - t0)
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
-            if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
-                telemetry.write({"step": state.step, **job.compile.report()})
+            # the run's one-off costs: compile_s (forward and backward, recompiles), checkpoint_s (every save)
+            saved = {"checkpoint_s": round(sum(checkpoints.save_seconds), 3),
+                     "checkpoints": len(checkpoints.save_seconds)} if checkpoints.save_seconds else {}
+            if job.compile.report() or saved:
+                telemetry.write({"step": state.step, **job.compile.report(), **saved})
             if run_dir is not None and export:  # model.safetensors, hf/ for a transformers model, or the adapter
                 job.peft.save(job.model, run_dir, engine, job.data)  # every rank: ZeRO-3 and FSDP gather
             telemetry.finish("finished", artefacts(run_dir) if run_dir else ({"metrics": str(metrics)} if metrics else {}))
@@ -110,8 +119,12 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
         if engine.is_main and run_dir is not None:
             end_of_run_plot(run_dir)  # loss.png, with matplotlib (LOOPLIB_PLOT=0: none)
         if s.sample_tokens and hasattr(engine.unwrap(job.model), "generate") and not signals.requested:
+            t0 = time.perf_counter()
             with signals.at_once():  # a signal stops the sample at once; the run ends as finished
                 print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints
+            if engine.is_main and metrics is not None and not signals.requested:  # its seconds, after the rows
+                with open(metrics, "a") as f:
+                    f.write(json.dumps({"step": state.step, "sample_s": round(time.perf_counter() - t0, 3)}) + "\n")
     trained.eval_loss = telemetry.last_row.get("eval_loss")
     if run_dir is not None:
         log.info("done: %s", run_dir)
@@ -161,7 +174,9 @@ def print_sample(job: Job, n_tokens: int, run_dir: Path | None = None) -> None:
     prompt = job.data.sample_prompt()
     ids = torch.tensor([job.data.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
-    with job.precision.autocast():
+    # never through the training compile (+compile=): a prompt that grows by one token a step would
+    # recompile, and a few tokens are not worth compiling for
+    with job.precision.autocast(), torch.compiler.set_stance("force_eager"):
         out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen)
     text = job.data.decode(out[0].tolist())
     if job.engine.is_main:

@@ -1,11 +1,15 @@
-"""Measure one candidate: real steps of the real job, in a fresh process running the command line.
+"""Measure one candidate: the real job, shortened, in a fresh process running its command line.
 
-A fresh ``python -m looplib.train`` per candidate: the same assembly as any training run, its
-own peak memory (CUDA's allocator peak, or the process's resident memory), and a crash, an
+A fresh ``python -m looplib.train`` per run: the same assembly as any training run, its own
+peak memory (CUDA's allocator peak, or the process's resident memory), and a crash, an
 out-of-memory error or a hang that ends with the candidate alone (a time limit kills its
-process group). It runs ``(repeats + 1) x steps`` optimizer steps, logging every ``steps``: the
-first interval is the warm-up (compilation, allocator, caches: reported as ``compile_s`` and not
-timed), each later row one timed repeat of whole steps (data, forward, backward, optimizer).
+process group). The run's overrides (``objective.JobPlan.measurement``) make it the job in
+small: warm-up and timed intervals of whole steps (data, forward, backward, optimizer), two of
+the job's evaluations, its checkpoint save, its export and exit; its wall time and the
+seconds each part took (metrics.jsonl) are what ``objective`` predicts the job's time from.
+
+A stop asked for (a signal to the tuner: ``stop()`` returns its number) kills the running
+candidate's whole process group at once and raises ``Interrupted``.
 
 Under torchrun every rank of the tuner starts its own child with the rank's identity and a
 fresh rendezvous port chosen by rank 0, and the ranks agree on the outcome (the worst status).
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -22,10 +27,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from ..errors import EXIT_NUMERIC
+from ..errors import EXIT_NUMERIC, Interrupted
+from .objective import Run, read_run
 
 SEVERITY = ["measured", "diverged", "oom", "error"]   # the ranks agree on the worst
+# a test hook: extra environment for chosen runs, {"CANDIDATE LABEL" or "LABEL#K" (its K-th timed run): {VAR: VALUE}}
+TEST_ENV = "LOOPLIB_TUNE_TEST_ENV"
 
 
 @dataclass
@@ -33,49 +42,64 @@ class Outcome:
     status: str                       # measured | oom | error | diverged
     reason: str = ""
     samples_per_s: float | None = None
-    spread: float | None = None       # (max - min) / median of the timed repeats
+    spread: float | None = None       # (max - min) / median of the timed intervals
     tokens_per_s: float | None = None
     peak_mem_mb: float | None = None
     compile_s: float | None = None
-    loss: float | None = None         # mean loss of the last timed repeat (the numerics check)
+    loss: float | None = None         # mean loss of the last timed interval (the numerics check)
     wall_s: float = 0.0
     repeats: list[float] = field(default_factory=list)
+    timing: Run | None = None         # what each part of the run took (objective.Run)
+    dropout: float = 0.0              # the model's dropout (the first row): its masks change with the micro-batch
 
 
-def measure(run_dir: Path, job: list[str], overrides: list[str], steps: int, repeats: int, timeout_s: float,
-            world=None) -> Outcome:
-    """Run the candidate into ``run_dir`` and read what it measured. ``world``: the tuner's
-    process group under torchrun (None: one process)."""
+def measure(run_dir: Path, job: list[str], overrides: list[str], measurement: list[str], warmup_steps: int,
+            timeout_s: float, world=None, stop: Callable[[], int | None] = lambda: None,
+            env: dict | None = None) -> Outcome:
+    """Run the candidate into ``run_dir`` and read what it measured. ``measurement``: the
+    overrides that make the run the job in small; ``world``: the tuner's process group under
+    torchrun (None: one process); ``env``: extra environment (the test hook)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    total = (repeats + 1) * steps
-    argv = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={total}", f"log_every={steps}",
-            "checkpoint.enabled=false", "eval_every=0", "eval_samples=0", "sample_tokens=0", "progress=lines",
+    argv = [sys.executable, "-m", "looplib.train", *job, *overrides, *measurement,
             f"hydra.run.dir={run_dir}" if world is None else f"hydra.run.dir=${{looplib.rank0_dir:{run_dir}}}"]
-    env = {**os.environ, "LOOPLIB_PLOT": "0", "LOOPLIB_EXIT_FILE": ""}
+    full_env = {**os.environ, "LOOPLIB_EXIT_FILE": "", **(env or {})}
     if world is not None:
-        env.update(world.child_env())
-    t0 = time.perf_counter()
-    status, reason = run_child(argv, env, timeout_s, run_dir)
-    outcome = read(run_dir, steps, status, reason) if status == "measured" else Outcome(status, reason)
+        full_env.update(world.child_env())
+    load = os.getloadavg()[0]
+    spawned, t0 = time.time(), time.perf_counter()
+    status, reason = run_child(argv, full_env, timeout_s, run_dir, stop)
+    ended = time.time()
+    outcome = (read(run_dir, warmup_steps, spawned, ended, load) if status == "measured"
+               else Outcome(status, reason))
     outcome.wall_s = time.perf_counter() - t0
+    for heavy in ("checkpoints", "model.safetensors", "hf", "adapter"):  # timed: its weights are not needed
+        path = run_dir / heavy
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if world is not None:
         outcome = world.agree(outcome)
     return outcome
 
 
-def run_child(argv: list[str], env: dict, timeout_s: float, run_dir: Path) -> tuple[str, str]:
+def run_child(argv: list[str], env: dict, timeout_s: float, run_dir: Path,
+              stop: Callable[[], int | None] = lambda: None) -> tuple[str, str]:
     log = run_dir.with_name(run_dir.name + ".log")
     with open(log, "w") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        started = time.perf_counter()
         try:
-            code = child.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            return "error", f"timed out after {timeout_s:.0f} s (tune.timeout_s)"
-        except BaseException:  # Ctrl-C: the candidate goes too
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            while True:
+                try:
+                    code = child.wait(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    signum = stop()
+                    if signum is not None:
+                        raise Interrupted(signum) from None
+                    if time.perf_counter() - started > timeout_s:
+                        kill(child)
+                        return "error", f"timed out after {timeout_s:.0f} s (tune.timeout_s)"
+        except BaseException:  # a stop, a second Ctrl-C: the candidate and everything it started go too
+            kill(child)
             raise
     if code == 0:
         return "measured", ""
@@ -87,6 +111,15 @@ def run_child(argv: list[str], env: dict, timeout_s: float, run_dir: Path) -> tu
     return "error", f"exit {code}: " + last_line(text, ("looplib: error", "Error", "error"))
 
 
+def kill(child: subprocess.Popen) -> None:
+    """The child's whole process group (its loader workers, compile workers), at once."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
 def last_line(text: str, marks: tuple[str, ...]) -> str:
     """The last line of the child's output holding one of ``marks`` (else its last line)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -96,9 +129,10 @@ def last_line(text: str, marks: tuple[str, ...]) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def read(run_dir: Path, steps: int, status: str, reason: str) -> Outcome:
-    """The timed repeats from metrics.jsonl: every row after the first interval."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def read(run_dir: Path, steps: int, spawned: float, ended: float, load: float | None) -> Outcome:
+    """The timed intervals (every row after the warm-up's ``steps``) and the run's timings."""
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "loss" in r and r["step"] > steps]
     if not timed:
         return Outcome("error", "the run logged no timed step")
@@ -112,10 +146,22 @@ def read(run_dir: Path, steps: int, status: str, reason: str) -> Outcome:
     peak = max(r.get("peak_mem_mb", 0.0) for r in rows)
     if first.get("peak_mem_measures", "").startswith("process resident"):  # the CPU: this job's rise in RSS
         peak -= first.get("mem_at_start_mb", 0.0)
-    compile_s = next((r["compile_s"] for r in rows if "compile_s" in r), None)
-    return Outcome(status, reason, median, (max(speeds) - min(speeds)) / median if median else None,
+    timing = read_run(metrics, steps, spawned, ended, load)
+    if timing is None:
+        return Outcome("error", "the run's metrics.jsonl lacks its timings (started_at)")
+    return Outcome("measured", "", median, (max(speeds) - min(speeds)) / median if median else None,
                    statistics.median(r[items] for r in timed) if items == "tokens_per_s" else None,
-                   round(peak, 1), compile_s, losses[-1], repeats=speeds)
+                   round(peak, 1), timing.compile_s, losses[-1], repeats=speeds, timing=timing,
+                   dropout=first.get("dropout", 0.0))
+
+
+def test_env(label: str, run: int) -> dict:
+    """The test hook's extra environment for the ``run``-th timed run (1-based) of ``label``."""
+    given = os.environ.get(TEST_ENV)
+    if not given:
+        return {}
+    table = json.loads(given)
+    return {**table.get(label, {}), **table.get(f"{label}#{run}", {})}
 
 
 class World:

@@ -1,17 +1,35 @@
-"""The search: plan every candidate, measure the survivors in the order likely fastest first.
+"""The search: plan every candidate, measure the survivors in the order likely fastest first,
+measure the leaders again beside the job as given, and decide.
 
-1. The job as given: the baseline every row is a multiple of, and the loss reference.
+0. Priming (untimed; ``tune.prime=false``: none): the job as given runs a step, so that the
+   one-off costs of a first run (the token cache, the file cache) are paid before the first timed
+   candidate; each candidate that compiles runs once untimed before its first timed run (the
+   compile cache: the user's run after tune finds it warm, so the timed runs do too; the cold
+   compile is reported).
+1. The job as given: the reference every candidate's time is a multiple of, and the loss
+   reference.
 2. Micro-batch x accumulation (the global batch never changes) with and without activation
    checkpointing: largest micro-batch first; an out-of-memory error moves to the next smaller;
    a micro-batch slower than a larger one that fitted ends that branch (the smaller ones are
    ``skipped``: dominated); checkpointing is measured at the best micro-batch and at the larger
    ones it makes fit.
-3. From the fastest so far, each remaining dimension one option at a time (compile modes, the
+3. From the fastest so far (measured once more beside the reference first: one noisy run must
+   not choose the base), each remaining dimension one option at a time (compile modes, the
    chunked loss, optimizer kernels, engines; with ``tune.numerics=allow`` precisions and
    optimizers).
 4. The options that each beat it, together (and, when they save memory, one micro-batch larger).
+5. The finals: the leaders (the ``tune.finalists`` candidates that finished the job first in their
+   runs so far) and the reference are measured again, interleaved, for
+   ``tune.rounds`` rounds, and more (up to ``tune.max_rounds``) while a leader could be faster
+   but its interval still holds 1 and is too wide to say (``stats``).
+6. The choice: among the candidates whose interval lies below 1 (``faster``) the one that finishes
+   the job first, unless a simpler one (changing fewer things) is the same within noise; with
+   none faster, the job as given.
 
-The planner prunes before anything runs; ``tune.budget_s`` skips what would start after it.
+"Faster" is always the predicted time to finish this job (``objective``): a compile that does
+not pay for itself within the job's steps is slower. A run whose timed intervals spread more
+than ``tune.max_spread`` is measured again at once. The planner prunes before anything runs;
+``tune.budget_s`` skips what would start after it; a signal stops the search where it is.
 """
 from __future__ import annotations
 
@@ -21,27 +39,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .measure import Outcome, measure
+from ..errors import Interrupted, signal_name
+from . import stats
+from .measure import Outcome, measure, test_env
+from .objective import JobPlan, breakdown, predict
+from .settings import Tune, key_of, without
 from .space import Candidate, Space
-from .settings import Tune, without
 
 MB = 2**20
+GENERATION = ("precision", "engine")  # the dimensions that change how the end-of-run sample generates
 
 
 @dataclass
 class Row:
     candidate: Candidate
     overrides: list[str]
-    status: str = "pending"          # measured | pruned | oom | error | diverged | skipped
+    status: str = "planned"          # measured | pruned | oom | error | diverged | skipped | interrupted
     reason: str = ""
     planned_mem_mb: float | None = None
-    outcome: Outcome | None = None
+    outcome: Outcome | None = None   # its first run (status, memory, loss)
+    runs: list[Outcome] = field(default_factory=list)   # every timed run
     loss_delta: float | None = None
     stage: str = ""
+    primed: Outcome | None = None    # the untimed run that filled the compile cache
+    set_aside: list[Outcome] = field(default_factory=list)   # noisy runs measured again (not counted)
+    noisy: bool = False              # a run and its repeat were both noisy (both count)
+    vs_reference: stats.Ratio | None = None
+    verdict: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.status == "measured" and bool(self.runs)
 
     @property
     def speed(self) -> float:
-        return self.outcome.samples_per_s if self.status == "measured" and self.outcome else 0.0
+        return self.outcome.samples_per_s if self.measured and self.outcome else 0.0
 
 
 @dataclass
@@ -52,13 +84,22 @@ class Search:
     run_dir: Path
     plan: Callable[[Candidate], int | None]   # planned bytes per rank (None: the planner cannot say)
     limit: int | None                 # bytes a candidate may plan (after the margin); None: no limit
+    job_plan: JobPlan = field(default_factory=lambda: JobPlan(300))
     world: object = None              # measure.World under torchrun
     limit_measured: bool = True       # the measured peak is held to the limit too (CUDA: allocated bytes,
                                       # comparable to the plan; the CPU's RSS also counts Python's own memory)
     progress: Callable[[Row, "Search"], None] = lambda row, search: None
+    note: Callable[[str], None] = lambda text: None   # a line for the user (the priming runs)
+    stop: Callable[[], int | None] = lambda: None   # a signal's number once one asked the search to stop
     rows: list[Row] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
-    reference: Row | None = None
+    reference: Row | None = None      # the loss reference: the job as given, or the first same-math row that ran
+    primes: list[dict] = field(default_factory=list)
+    rounds: int = 0                   # rounds of the finals measured
+    choice: Row | None = None         # set by decide()
+    why: str = ""
+    too_noisy: list[str] = field(default_factory=list)
+    runs_started: int = 0
 
     # ---------------------------------------------------------------- one candidate
     def row(self, c: Candidate) -> Row | None:
@@ -77,16 +118,81 @@ class Search:
             row.status = "pruned"
             row.reason = (f"planned {planned / MB:,.0f} MB > {self.limit / MB:,.0f} MB usable "
                           f"({1 - self.tune.margin:.0%} of the memory limit)")
-        elif self.elapsed() + self.expected() > self.tune.budget_s:
+        elif self.over_budget():
             row.status, row.reason = "skipped", f"over the budget (tune.budget_s={self.tune.budget_s:g})"
         else:
-            where = self.run_dir / "candidates" / f"{len(self.rows) - 1:03d}"
-            row.outcome = measure(where, without(self.job, row.overrides), row.overrides, self.tune.steps, self.tune.repeats,
-                                  self.tune.timeout_s, self.world)
-            row.status, row.reason = row.outcome.status, row.outcome.reason
+            row.status = "running"
+            if self.compiles(c) and self.tune.prime:
+                self.prime(row)
+            outcome = self.run_once(row)
+            row.outcome = outcome
+            row.status, row.reason = outcome.status, outcome.reason
             self.check_numerics(row)
         self.progress(row, self)
         return row
+
+    def run_once(self, row: Row, measure_sample: bool | None = None) -> Outcome:
+        """One timed run of ``row``'s candidate (kept in ``row.runs`` when it measured). A run whose
+        timed intervals spread beyond ``tune.max_spread`` is noisy: it is measured again at once, and
+        set aside when the new run is not noisy (both count when it is, and the row says so)."""
+        if measure_sample is None:
+            measure_sample = self.sample_of(row) is None
+        outcome = self.measure(row, self.job_plan.measurement(self.tune.steps, self.tune.repeats, measure_sample),
+                               env=test_env(row.candidate.label(), len(row.runs) + len(row.set_aside) + 1))
+        if outcome.status != "measured":
+            return outcome
+        row.runs.append(outcome)
+        if row.status in ("measured", "running") and self.noisy(outcome) and not self.over_budget():
+            again = self.measure(row, self.job_plan.measurement(self.tune.steps, self.tune.repeats, measure_sample),
+                                 env=test_env(row.candidate.label(), len(row.runs) + len(row.set_aside) + 1))
+            if again.status == "measured":
+                row.runs.append(again)
+                if not self.noisy(again):
+                    row.runs.remove(outcome)
+                    row.set_aside.append(outcome)
+                else:
+                    row.noisy = True
+        return outcome
+
+    def noisy(self, outcome: Outcome) -> bool:
+        return (outcome.spread or 0.0) > self.tune.max_spread
+
+    def measure(self, row: Row, measurement: list[str], env: dict | None = None, warmup: int | None = None) -> Outcome:
+        if self.stop() is not None:  # asked to stop between two runs: none is started
+            raise Interrupted(self.stop())
+        self.runs_started += 1
+        where = self.run_dir / "candidates" / f"{self.runs_started - 1:03d}"
+        return measure(where, without(self.job, row.overrides), row.overrides, measurement,
+                       self.tune.steps if warmup is None else warmup, self.tune.timeout_s, self.world, self.stop, env)
+
+    def prime(self, row: Row) -> None:
+        """An untimed run of ``row``'s candidate that pays its one-off costs (the compile cache)."""
+        self.note(f"{row.candidate.label()}: one untimed run first, to fill the compile cache")
+        outcome = self.measure(row, self.job_plan.measurement(self.tune.steps, 1, False))  # its evaluations too
+        row.primed = outcome
+        self.primes.append({"candidate": row.candidate.label(), "status": outcome.status,
+                            "wall_s": round(outcome.wall_s, 1), "compile_s": outcome.compile_s})
+
+    def prime_caches(self) -> None:
+        """Before the first timed run: the job as given (or, pruned, its smallest micro-batch) runs a
+        step untimed, so that no candidate pays for the token and file caches."""
+        c = Candidate()
+        planned = self.plan(c)
+        if planned is not None and self.limit is not None and planned > self.limit and self.space.micro_batches():
+            c = Candidate().with_(batch=(1, self.space.per_rank))
+        row = Row(c, self.space.overrides(c))
+        self.note(f"{c.label()}: one untimed step first, to fill the token and file caches")
+        outcome = self.measure(row, ["max_steps=1", "log_every=1", "eval_every=0", "eval_samples=0",
+                                     "checkpoint.enabled=false", "sample_tokens=0", "progress=lines", "resume=null"],
+                               warmup=0)
+        self.primes.append({"candidate": c.label(), "status": outcome.status, "wall_s": round(outcome.wall_s, 1),
+                            "what": "the token and file caches"})
+
+    def compiles(self, c: Candidate) -> bool:
+        option = c.get("compile")
+        if option is not None:
+            return option != "none"
+        return any(key_of(o) == "compile" and not o.endswith("=none") for o in self.job)
 
     def skip(self, c: Candidate, why: str, stage: str) -> None:
         if self.row(c) is None:
@@ -96,8 +202,12 @@ class Search:
         return time.perf_counter() - self.started
 
     def expected(self) -> float:
-        """What one more candidate will take: the slowest measured so far (0 before any)."""
-        return max((r.outcome.wall_s for r in self.rows if r.outcome), default=0.0)
+        """What one more run will take: the slowest timed run so far (0 before any)."""
+        return max((o.wall_s for r in self.rows for o in r.runs), default=0.0)
+
+    def over_budget(self) -> bool:
+        over = self.elapsed() + self.expected() > self.tune.budget_s
+        return self.world.broadcast(over) if self.world is not None else over  # the ranks run the same runs
 
     def check_numerics(self, row: Row) -> None:
         """Compare the candidate's loss with the reference's on the same batches."""
@@ -110,34 +220,112 @@ class Search:
         delta = row.outcome.loss - ref.outcome.loss
         row.loss_delta = delta
         scale = max(1.0, abs(ref.outcome.loss))
-        if not row.candidate.changes_numerics and abs(delta) > self.tune.tolerance * scale:
+        # dropout draws other masks when the micro-batch (or compile's kernels) change: not the same math
+        exact = not row.candidate.changes_numerics and not max(row.outcome.dropout, ref.outcome.dropout)
+        if exact and abs(delta) > self.tune.tolerance * scale:
             row.status = "error"
             row.reason = (f"the same math as the reference, yet its loss differs by {delta:+.3g} "
                           f"(tune.tolerance={self.tune.tolerance:g}): a bug, please report it")
-        elif row.candidate.changes_numerics and abs(delta) > self.tune.loss_tolerance * scale:
+        elif not exact and abs(delta) > self.tune.loss_tolerance * scale:
             row.status = "diverged"
-            row.reason = f"loss {row.outcome.loss:.4f} vs the reference's {ref.outcome.loss:.4f} (tune.loss_tolerance)"
+            row.reason = (f"loss {row.outcome.loss:.4f} vs the reference's {ref.outcome.loss:.4f} (tune.loss_tolerance"
+                          + (f"; the model's dropout {max(row.outcome.dropout, ref.outcome.dropout):g} draws other "
+                             "masks here)" if not row.candidate.changes_numerics else ")"))
+
+    # ---------------------------------------------------------------- the objective
+    def sample_of(self, row: Row) -> float | None:
+        """The sample's seconds for ``row``'s candidate: measured in its own runs, or in a run of a
+        candidate that generates the same way (same precision and engine); None: not measured yet."""
+        if not self.job_plan.sample_tokens:
+            return 0.0
+        same = [r for r in self.rows if all(r.candidate.get(d) == row.candidate.get(d) for d in GENERATION)]
+        seconds = [o.timing.sample_s for r in same for o in r.runs if o.timing and o.timing.sample_s is not None]
+        return sum(seconds) / len(seconds) if seconds else None
+
+    def times(self, row: Row) -> list[float]:
+        """The job's predicted seconds, one per timed run of ``row``."""
+        sample = self.sample_of(row)
+        return [predict(o.timing, self.job_plan, sample) for o in row.runs if o.timing]
+
+    def time(self, row: Row | None) -> float:
+        """The job's predicted seconds (geometric mean over the runs; inf: not measured)."""
+        t = self.times(row) if row is not None and row.measured else []
+        return stats.geometric_mean(t) if t else math.inf
+
+    def time_of(self, c: Candidate) -> float:
+        return self.time(self.row(c))
+
+    def parts(self, row: Row) -> dict[str, float]:
+        """The predicted job time in parts (the mean over the runs)."""
+        sample = self.sample_of(row)
+        each = [breakdown(o.timing, self.job_plan, sample) for o in row.runs if o.timing]
+        return {k: sum(p[k] for p in each) / len(each) for k in each[0]} if each else {}
+
+    def step_s(self, row: Row) -> float | None:
+        steps = [s for o in row.runs if o.timing for s in o.timing.step_s]
+        return sum(steps) / len(steps) if steps else None
+
+    def pays_off_after(self, row: Row) -> float | None:
+        """The job length (steps) from which ``row`` finishes first against the timing reference:
+        its extra one-off seconds over the steady seconds per step it saves. 0: at once (it costs
+        no more); inf: never (its steps are not faster); None: not measured, or the reference."""
+        ref = self.timing_reference()
+        if ref is None or row is ref or not row.measured:
+            return None
+        t, t_ref = self.step_s(row), self.step_s(ref)
+        steps = self.job_plan.max_steps
+        fixed, fixed_ref = self.time(row) - steps * t, self.time(ref) - steps * t_ref
+        if t >= t_ref:
+            return math.inf
+        return max(fixed - fixed_ref, 0.0) / (t_ref - t)
+
+    def timing_reference(self) -> Row | None:
+        """What every job time is a multiple of: the job as given, or the loss reference."""
+        given = self.row(Candidate())
+        return given if given is not None and given.measured else (
+            self.reference if self.reference is not None and self.reference.measured else None)
 
     # ---------------------------------------------------------------- the stages
     def run(self) -> list[Row]:
+        if self.tune.prime:
+            self.prime_caches()
         self.try_(Candidate(), "the job as given")
         self.batch_and_checkpointing()
-        base = self.best() or Candidate()
+        others = [d for d in self.space.options if d not in ("batch", "checkpointing")]
+        base = (self.confirmed_leader() if others else self.leader()) or Candidate()
         improved = {}
-        for dim in [d for d in self.space.options if d not in ("batch", "checkpointing")]:
-            winner = base_speed = self.speed_of(base)
+        for dim in others:
+            winner = base_time = self.time_of(base)
             for option in self.space.options[dim][1:]:
                 row = self.try_(base.with_(**{dim: option}), f"vary {dim}")
-                if row.speed > max(winner, base_speed * (1 + self.tune.speed_margin)):
-                    winner, improved[dim] = row.speed, option
+                if self.time(row) < min(winner, base_time / (1 + self.tune.speed_margin)):
+                    winner, improved[dim] = self.time(row), option
         if len(improved) > 1:
             combined = self.try_(base.with_(**improved), "the winners together")
             self.one_larger(combined)
+        self.mark_memory()
+        self.finals()
+        self.decide()
+        return self.rows
+
+    def confirmed_leader(self) -> Candidate | None:
+        """The leader, measured once more beside the reference before the other dimensions are
+        varied from it: one noisy run must not choose the base of the rest of the search."""
+        lead, ref = self.leader(), self.timing_reference()
+        row = self.row(lead) if lead is not None else None
+        if row is None or ref is None or row is ref or len(row.runs) > 1 or self.over_budget():
+            return lead
+        self.run_once(row, measure_sample=False)
+        self.run_once(ref, measure_sample=False)
+        self.judge()
+        self.progress(row, self)
+        return self.leader()
+
+    def mark_memory(self) -> None:
         for row in self.rows:
-            if row.status == "measured" and not self.within_limit(row):
+            if row.measured and not self.within_limit(row):
                 row.reason = (f"measured {row.outcome.peak_mem_mb:,.0f} MB, above the memory limit: not chosen "
                               "(the plan was under it)")
-        return self.rows
 
     def batch_and_checkpointing(self) -> None:
         micro = [int(b) for b in self.space.options.get("batch", [])]
@@ -158,26 +346,23 @@ class Search:
                     self.skip(c, stop, "micro-batch")
                     continue
                 row = self.try_(c, "micro-batch x checkpointing")
-                if row.status != "measured":
+                if not row.measured:
                     continue
                 fitted.setdefault(option, b)
-                if best_in_branch is not None and row.speed < best_in_branch.speed:
+                if best_in_branch is not None and self.time(row) > self.time(best_in_branch):
                     stop = f"dominated: slower than micro-batch {best_in_branch.candidate.micro_batch or 'as given'}"
                 elif option is not None:
                     stop = "dominated: checkpointing is measured at its largest micro-batch only"
-                best_in_branch = row if best_in_branch is None or row.speed >= best_in_branch.speed else best_in_branch
+                if best_in_branch is None or self.time(row) <= self.time(best_in_branch):
+                    best_in_branch = row
 
     def one_larger(self, row: Row) -> None:
         """A combination that saves memory may fit the next larger micro-batch: try it once."""
         c, micro = row.candidate, [int(b) for b in self.space.options.get("batch", [])]
         larger = [b for b in micro if b > (c.micro_batch or self.space.job_batch[0])]
-        if row.status == "measured" and larger:
+        if row.measured and larger:
             b = min(larger)
             self.try_(c.with_(batch=(b, self.space.per_rank // b)), "the winners together, larger")
-
-    def speed_of(self, c: Candidate) -> float:
-        row = self.row(c)
-        return row.speed if row else 0.0
 
     def within_limit(self, row: Row) -> bool:
         """The measured peak within the memory limit (when one is given)."""
@@ -185,17 +370,103 @@ class Search:
         return (self.limit is None or not self.limit_measured or peak is None
                 or peak * MB <= self.limit / (1 - self.tune.margin))
 
-    def best(self) -> Candidate | None:
-        """The fastest measured candidate within the memory limit; where a simpler one (fewer
-        changes to the job) is as fast within the noise (the two rows' spreads, at least
-        ``tune.speed_margin``), the simpler one: a change is kept only for a real speed-up."""
-        ok = [r for r in self.rows if r.status == "measured" and math.isfinite(r.speed) and self.within_limit(r)]
+    def eligible(self) -> list[Row]:
+        return [r for r in self.rows if r.measured and self.within_limit(r) and math.isfinite(self.time(r))]
+
+    def leader(self) -> Candidate | None:
+        """The measured candidate that finishes the job first by its runs so far (a simpler one
+        within ``tune.speed_margin`` of it instead): the search's base, and the best so far."""
+        ok = self.eligible()
         if not ok:
             return None
-        top = max(ok, key=lambda r: r.speed)
-        spread = lambda r: r.outcome.spread or 0.0  # noqa: E731
-        ties = [r for r in ok if r.speed * (1 + max(self.tune.speed_margin, (spread(r) + spread(top)) / 2)) >= top.speed]
-        return min(ties, key=lambda r: (complexity(r.candidate), -r.speed)).candidate
+        top = min(self.time(r) for r in ok)
+        ties = [r for r in ok if self.time(r) <= top * (1 + self.tune.speed_margin)]
+        return min(ties, key=lambda r: (complexity(r.candidate), self.time(r))).candidate
+
+    # ---------------------------------------------------------------- the finals and the choice
+    def finalists(self) -> list[Row]:
+        """The ``tune.finalists`` candidates that finished the job first in their runs so far."""
+        ref = self.timing_reference()
+        if ref is None:
+            return []
+        return sorted([r for r in self.eligible() if r is not ref], key=self.time)[:self.tune.finalists]
+
+    def finals(self) -> None:
+        """The leaders and the reference measured again, interleaved (the order reversed each
+        round, so that a drift of the machine hits both sides alike), until each leader is decided
+        or ``tune.max_rounds`` rounds were run."""
+        ref = self.timing_reference()
+        leaders = self.finalists()
+        if ref is None or not leaders:
+            return
+        while self.rounds < self.tune.max_rounds and leaders and not self.over_budget():
+            order = [ref, *leaders]
+            for row in (order if self.rounds % 2 else order[::-1]):
+                self.run_once(row, measure_sample=False)
+                self.judge()
+                self.progress(row, self)
+            self.rounds += 1
+            if self.rounds >= self.tune.rounds:  # beyond the rounds asked for: only the undecided that could win
+                leaders = [r for r in leaders if r.verdict == stats.NOISY and r.vs_reference.ratio < 1]
+
+    def judge(self) -> None:
+        """Each measured row's job time as a multiple of the reference's, with its interval and verdict."""
+        ref = self.timing_reference()
+        if ref is None:
+            return
+        ref_times = self.times(ref)
+        for row in self.rows:
+            if row.measured and row is not ref:
+                row.vs_reference = stats.ratio(self.times(row), ref_times)
+                row.verdict = row.vs_reference.verdict(self.tune.resolution)
+            elif row is ref:
+                row.vs_reference, row.verdict = None, "reference"
+
+    def decide(self) -> None:
+        """The choice: the fastest of the candidates called faster than the reference, or a simpler
+        one the same within noise as it; none faster: the reference (the job as given)."""
+        self.judge()
+        ref = self.timing_reference()
+        eligible = self.eligible()
+        if ref is None or ref not in eligible:
+            self.choice = None if not eligible else min(eligible, key=self.time)
+            self.why = ("the job as given did not run, or not within the memory limit: the candidate that finished "
+                        "first among those that did" if eligible else "")
+            return
+        faster = [r for r in eligible if r.verdict == stats.FASTER]
+        self.too_noisy = [r.candidate.label() for r in eligible if r.verdict == stats.NOISY
+                          and r.vs_reference.ratio < 1 and r in self.finalists_measured()]
+        if not faster:
+            self.choice = ref
+            self.why = ("no candidate finishes this job faster than the reference beyond the noise" +
+                        ("; the machine was too noisy to decide for " + ", ".join(self.too_noisy)
+                         if self.too_noisy else ""))
+            return
+        best = min(faster, key=self.time)
+        for simpler in sorted(faster, key=lambda r: (complexity(r.candidate), self.time(r))):
+            if complexity(simpler.candidate) >= complexity(best.candidate):
+                break
+            if stats.ratio(self.times(best), self.times(simpler)).verdict(self.tune.resolution) != stats.FASTER:
+                self.why = (f"faster than the reference; {best.candidate.label()} is not faster than it "
+                            "beyond the noise, and changes more")
+                self.choice = simpler
+                return
+        self.choice, self.why = best, "faster than the reference beyond the noise, and the fastest such"
+
+    def finalists_measured(self) -> list[Row]:
+        return [r for r in self.rows if len(r.runs) > 1]
+
+    def best(self) -> Candidate | None:
+        """The decided choice, or (before the decision, or after a stop) the leader so far."""
+        return self.choice.candidate if self.choice is not None else self.leader()
+
+    def interrupt(self, signum: int | None) -> None:
+        """A stop: the row being measured (and any planned) ends ``interrupted``."""
+        for row in self.rows:
+            if row.status in ("planned", "running"):
+                row.status = "interrupted"
+                row.reason = f"stopped by {signal_name(signum)} before its run finished"
+        self.judge()
 
 
 def complexity(c: Candidate) -> int:

@@ -47,10 +47,24 @@ class Tune:
         "fix": "use the relative loss difference allowed for precision/optimizer changes, e.g. tune.loss_tolerance=0.05"})
     fresh: bool = False
     dry_run: bool = False
+    prime: bool = True  # untimed runs first: the token and file caches, each compiling candidate's compile cache
     speed_margin: NonNegative[float] = field(default=0.02, metadata={
         "fix": "use the relative speed-up a change must bring to be kept, e.g. tune.speed_margin=0.02"})
+    finalists: NonNegative[int] = field(default=2, metadata={
+        "fix": "use how many leaders are measured again beside the job as given, e.g. tune.finalists=2"})
+    rounds: NonNegative[int] = field(default=2, metadata={
+        "fix": "use the rounds of the finals (leaders and reference measured again), e.g. tune.rounds=2"})
+    max_rounds: NonNegative[int] = field(default=4, metadata={
+        "fix": "use the most rounds while a leader is undecided, at least tune.rounds, e.g. tune.max_rounds=4"})
+    resolution: Positive[float] = field(default=0.1, metadata={
+        "fix": "use the difference in job time that must be told apart, e.g. tune.resolution=0.1"})
+    max_spread: Positive[float] = field(default=1.0, metadata={
+        "fix": "use the spread of a run's timed intervals beyond which it is measured again, e.g. tune.max_spread=1"})
 
     def __post_init__(self):
+        if self.max_rounds < self.rounds:
+            raise ConfigError("tune.max_rounds", f"tune.max_rounds={self.max_rounds} is below tune.rounds={self.rounds}",
+                              f"use tune.max_rounds={self.rounds} or more")
         for dim, chosen in self.options.items():
             if dim not in DIMENSIONS:
                 refuse_unknown("tune.options.", dim, chosen, list(DIMENSIONS))
