@@ -145,6 +145,7 @@ class LoRA(FullModel):
             from .hf.export import merge_lora
             from .quantize import dequantized
             from .engines.local import write_safetensors
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             write_safetensors(merge_lora(unwrapped, dequantized(unwrapped, weights), merge=True),
                               Path(run_dir) / "model.safetensors")
         else:  # safetensors by default

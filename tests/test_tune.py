@@ -157,3 +157,23 @@ def test_under_torchrun_the_engines_are_candidates_and_the_ranks_agree(tmp_path)
     assert rows(result, candidate="engine=fsdp")[0]["status"] == "measured"
     assert len(result["ranks"]) == 2 and result["ranks"][0] == result["ranks"][1] == result["best"]["candidate"]
     assert result["best"]["command"].startswith("torchrun --nproc_per_node 2 -m looplib.train")
+
+
+def test_selective_checkpointing_and_offload_are_measured_like_blocks(searched):
+    _, _, result = searched
+    assert result["dimensions"]["checkpointing"] == ["none", "blocks", "selective", "offload"]
+    for option in ("selective", "offload"):  # the same math: the reference's loss to tune.tolerance
+        row = next(x for x in result["rows"] if x["candidate"].endswith(f"checkpointing={option}"))
+        assert row["status"] == "measured" and abs(row["loss_delta"]) <= 1e-3, row
+
+
+def test_qlora_is_searched_with_numerics_allowed_and_checked_against_the_jobs_loss(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    r, result = tune(tmp_path, "q", *TINY, "batch_size=4", "tune.search=[peft]", "tune.numerics=allow",
+                     "tune.steps=1", "tune.repeats=1", "tune.fresh=true")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert result["dimensions"] == {"peft": ["none", "qlora"]}
+    row = next(x for x in result["rows"] if x["candidate"] == "peft=qlora")
+    assert row["overrides"] == ["+peft=qlora"] and row["planned_mem_mb"] is not None
+    assert row["status"] in ("measured", "diverged") and row["loss_delta"] is not None  # its loss against the job's
