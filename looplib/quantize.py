@@ -43,8 +43,12 @@ def quantisable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
             if type(m) is nn.Linear and m is not head and counts[id(m.weight)] == 1]
 
 
-def is_4bit(module: nn.Module) -> bool:
-    return type(module).__name__ in ("Linear4bit", "PlannedLinear4bit")
+def is_4bit(module: nn.Module, planned: bool = True) -> bool:
+    """bitsandbytes' ``Linear4bit`` (not peft's LoRA layer of the same name around it), or with
+    ``planned`` the planner's stand-in."""
+    cls = type(module)
+    return (cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes")) or \
+        (planned and cls is PlannedLinear4bit)
 
 
 def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
@@ -63,7 +67,7 @@ def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute
         setattr(modules[parent] if parent else model, attr,
                 make(linear, bnb, quant_type, double_quant, compute_dtype, device))
     for m in model.modules():
-        if type(m).__name__ == "Linear4bit":
+        if is_4bit(m, planned=False):
             # bitsandbytes repacks weights for its CPU kernel on the first forward that needs no
             # gradient (an evaluation); training after it fails (its gemv path writes into a view)
             m.support_avx512bf16_for_cpu = False
@@ -139,7 +143,7 @@ def quant_tensors(param) -> list[torch.Tensor]:
 def dequantized(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` (``model``'s state dict) with each 4-bit layer's weight back in full precision
     (bitsandbytes' dequantisation, in the dtype it was quantised from) and its constants dropped."""
-    layers = {f"{name}.weight": m for name, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
+    layers = {f"{name}.weight": m for name, m in model.named_modules() if is_4bit(m, planned=False)}
     if not layers:
         return weights
     import bitsandbytes.functional as F

@@ -14,7 +14,7 @@ from looplib.cli.instantiate import instantiate
 from looplib.loss import TokenCrossEntropy
 from looplib.cli.plan import build_plan
 from looplib.precision import FP8, Precision
-from looplib.quantize import quant_tensors, quantize
+from looplib.quantize import is_4bit, quant_tensors, quantize
 
 from conftest import needs_bnb, random_tokens, run_cli, tiny_gpt
 
@@ -61,7 +61,7 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     model = result.model
     fresh = quantize(tiny_gpt(), qlora().bnb, "nf4", True, torch.float32, torch.device("cpu"))
     fourbit = {n.replace("base_model.model.", "").replace(".base_layer", ""): m for n, m in model.named_modules()
-               if type(m).__name__ == "Linear4bit"}
+               if is_4bit(m)}
     assert len(fourbit) == 8 and all(  # 2 blocks x qkv, proj, mlp.0, mlp.2; the tied head stays whole
         m.weight.dtype == torch.uint8 and not m.weight.requires_grad for m in fourbit.values())
     for name, m in fresh.named_modules():  # the base did not move: as quantised from the same weights
@@ -97,16 +97,36 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
                                                                state_bytes(result.optimizer))
 
 
+def chat_records(path, n=24):
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = i % 7, i % 5
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"add {a} and {b}"},
+                                             {"role": "assistant", "content": str(a + b)}]}) + "\n")
+    return path
+
+
 def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path):
+    """Trained on chat records through the command line: the end-of-run sample and looplib.generate
+    prompt it through its chat template, and generate loads the adapter on the 4-bit base."""
     transformers = pytest.importorskip("transformers")
     run_dir = tmp_path / "run"
-    job = [f"model=hf", f"model.path={tiny_pretrained}", "model.seq_len=16", "+peft=qlora", "data=random",
-           "data.n_train=8", "data.vocab_size=384"]
-    r = run_cli(*job, "max_steps=12", "batch_size=4", "lr=2e-2", "log_every=1", "eval_batches=0", "sample_tokens=0",
+    job = [f"model=hf", f"model.path={tiny_pretrained}", "model.seq_len=32", "+peft=qlora", "data=instruct",
+           f"data.path={chat_records(tmp_path / 'chat.jsonl')}"]
+    r = run_cli(*job, "max_steps=12", "batch_size=4", "lr=2e-2", "log_every=1", "eval_batches=0", "sample_tokens=6",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     trace = losses(run_dir / "metrics.jsonl")
     assert trace[-1] < trace[0] - 0.1
+    sample = (run_dir / "sample.txt").read_text()
+    assert sample.startswith("<|user|>\nadd ") and "<|assistant|>\n" in sample  # a held-out conversation, templated
+    out = run_cli(str(run_dir), "--prompt", "add 2 and 3", "--tokens", "3", cwd=tmp_path, module="looplib.generate")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("<|user|>\nadd 2 and 3\n<|assistant|>\n"), out.stdout
+    from looplib.cli.generate import default_prompt, load_hf, run_config
+    assert default_prompt(run_dir, "add 2 and 3", raw=True) == ("add 2 and 3", False)
+    loaded = load_hf(run_dir / "hf", torch.device("cpu"), run_config(run_dir))[0]
+    assert sum(is_4bit(m) for m in loaded.modules()) == 14  # the base in 4 bits, as trained
     config = json.loads((run_dir / "hf" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_pretrained)
     assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {  # every linear layer but lm_head
@@ -128,11 +148,11 @@ def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path):
         assert (full(input_ids=ids).logits - on_4bit(input_ids=ids).logits).abs().max() < 0.5
 
     # quantised while it loads (transformers' BitsAndBytesConfig), and planned to the byte
-    cfg = compose_with(*job)
+    cfg = compose_with(*job[:-2], "data=random", "data.vocab_size=384")
     strategy = instantiate(cfg, "peft")
     with strategy.loading():
         model = instantiate(cfg, "model")
-    assert model.hf.is_loaded_in_4bit and sum(type(m).__name__ == "Linear4bit" for m in model.modules()) == 14
+    assert model.hf.is_loaded_in_4bit and sum(is_4bit(m) for m in model.modules()) == 14
     model = strategy.wrap(model)
     opt = AdamW(lr=1e-3).build(model)
     TokenCrossEntropy()(model, {"input_ids": ids, "labels": ids}).backward()
@@ -178,7 +198,7 @@ def test_what_cannot_work_is_refused_in_one_line(case, words):
 
 
 def test_a_sharding_engine_is_refused_through_the_cli(tmp_path):
-    r = run_cli("+peft=qlora", "+engine=deepspeed", "data=random", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    r = run_cli("+peft=qlora", "+engine=fsdp", "data=random", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("looplib: error: peft: a 4-bit base"), r.stderr
     assert not (tmp_path / "run").exists()

@@ -39,5 +39,12 @@ class Corpus:
             return ""
         return self.decode(self.eval[0]["input_ids"][:8].tolist())
 
+    chat_records = False  # True: trained on chat messages (the end-of-run sample, looplib.generate template prompts)
+
+    def chat_prompt(self, text: str) -> str:
+        """``text`` as the model was trained to see a prompt: a user turn in the tokenizer's chat
+        template, opening the assistant's turn, for a model trained on chat records; as it is otherwise."""
+        return text
+
     def save(self, run_dir: Path) -> None:
         """Write what a run directory needs to read the model's outputs back (labels.json)."""

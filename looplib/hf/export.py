@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..quantize import dequantized
+from ..quantize import dequantized, is_4bit
 from .config import import_transformers
 
 log = logging.getLogger("looplib")
@@ -55,7 +55,7 @@ def export_model(model, run_dir: Path, weights: dict[str, torch.Tensor], corpus=
 def save_full_precision(base, directory: Path, state_dict: dict[str, torch.Tensor], max_shard_size) -> None:
     """``base.save_pretrained`` with ``state_dict``; a base holding 4-bit layers (QLoRA) is saved
     as the full-precision model its weights now are (config.json without its quantisation)."""
-    if not any(type(m).__name__ == "Linear4bit" for m in base.modules()):
+    if not any(is_4bit(m) for m in base.modules()):
         base.save_pretrained(directory, state_dict=state_dict, max_shard_size=max_shard_size)
         return
     config = copy.deepcopy(base.config)
