@@ -16,16 +16,16 @@ from torch.utils._pytree import tree_leaves
 
 from looplib import AdamW
 from looplib.accumulation import Accumulation
+from looplib.checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing, \
+    is_checkpointed
 from looplib.data import build_loader
+from looplib.engines import Engine
 from looplib.loop import fit
-from looplib.checkpointing import (SAVE, ActivationCheckpointing, Checkpointing, OffloadActivations,
-                                   SelectiveCheckpointing, is_checkpointed)
-from looplib.errors import ConfigError
 from looplib.loss import TokenCrossEntropy
 from looplib.models import GPT
 from looplib.plan import activation_uses, chosen_modules
 
-from conftest import random_tokens, run_cli, tiny_gpt
+from conftest import gpu, random_tokens, tiny_gpt
 
 BLOCKS = ["Block", "GradientCheckpointingLayer"]
 STRATEGIES = {"none": Checkpointing, "blocks": lambda: ActivationCheckpointing(types=BLOCKS),
@@ -118,9 +118,9 @@ def test_the_planner_is_within_5_percent_of_the_exact_count_for_each_strategy(ki
     assert counted["none"][1] == counted["selective"][1] == 0
 
 
-def five_steps(strategy):
+def five_steps(strategy, device: str = "cpu"):
     """Per micro-batch losses and the final weights of 5 fp32 steps (accumulation 2)."""
-    model, objective, losses = strategy.apply(tiny_gpt(seed=1)), TokenCrossEntropy(), []
+    model, objective, losses = strategy.apply(tiny_gpt(seed=1)).to(device), TokenCrossEntropy(), []
 
     def recording(m, batch):
         loss = objective(m, batch)
@@ -128,8 +128,9 @@ def five_steps(strategy):
         return loss
     recording.count = objective.count
     fit(model, build_loader(random_tokens(n=16), batch_size=2, seed=0), objective=recording, max_steps=5,
-        optimizer=AdamW(lr=1e-2).build(model), accumulation=Accumulation(2), max_grad_norm=1.0)
-    return losses, model.state_dict()
+        optimizer=AdamW(lr=1e-2).build(model), accumulation=Accumulation(2), max_grad_norm=1.0,
+        engine=Engine(device))
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def test_offload_and_selective_train_as_none_does_in_fp32():
@@ -142,3 +143,28 @@ def test_offload_and_selective_train_as_none_does_in_fp32():
         for key, value in weights.items():
             torch.testing.assert_close(got_weights[key], value, rtol=0, atol=1e-6, msg=key)
         assert name != "offload" or strategy.host_bytes() == 0  # the host copies go with the graph
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_cuda_offload_trains_as_none_does_and_holds_less_on_the_device(overlap):
+    losses, weights = five_steps(Checkpointing(), "cuda")
+    got, got_weights = five_steps(OffloadActivations(types=BLOCKS, overlap=overlap), "cuda")
+    assert got == pytest.approx(losses, abs=1e-5)
+    for key, value in weights.items():
+        torch.testing.assert_close(got_weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    held = {}
+    for name in ("none", "offload"):
+        strategy = STRATEGIES[name]() if name == "none" else OffloadActivations(types=BLOCKS, overlap=overlap)
+        model = strategy.apply(GPT(vocab_size=256, seq_len=256, n_layer=4, n_head=4, d_model=256)).cuda()
+        ids = torch.randint(0, 256, (8, 256), device="cuda")
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = TokenCrossEntropy()(model, {"input_ids": ids, "labels": ids})
+        torch.cuda.synchronize()
+        held[name] = torch.cuda.memory_allocated() - before
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+    print(f"\nheld after forward: none {held['none'] / 2**20:.1f} MiB, offload {held['offload'] / 2**20:.1f} MiB")
+    assert held["offload"] < 0.5 * held["none"]

@@ -16,7 +16,7 @@ from looplib.cli.plan import build_plan
 from looplib.precision import FP8, Precision
 from looplib.quantize import is_4bit, quant_tensors, quantize
 
-from conftest import needs_bnb, random_tokens, run_cli, tiny_gpt
+from conftest import gpu, needs_bnb, random_tokens, run_cli, tiny_gpt
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'looplib[peft]')")
 pytestmark = needs_bnb
@@ -202,3 +202,16 @@ def test_a_sharding_engine_is_refused_through_the_cli(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("looplib: error: peft: a 4-bit base"), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_cuda_qlora_quantises_on_the_device_and_trains_in_bf16(tmp_path):
+    from looplib.precision import BF16
+    result = train_model(tiny_gpt(), random_tokens(n=8), peft=qlora(), precision=BF16(), optim=AdamW(lr=2e-2),
+                         max_steps=12, batch_size=4, device="cuda", log_every=1, metrics=tmp_path / "metrics.jsonl")
+    trace = losses(tmp_path / "metrics.jsonl")
+    assert trace[-1] < trace[0] - 0.1
+    layers = [m for m in result.model.modules() if is_4bit(m)]
+    assert layers and all(m.weight.is_cuda and m.weight.dtype == torch.uint8 and m.compute_dtype == torch.bfloat16
+                          for m in layers)

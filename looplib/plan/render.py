@@ -18,7 +18,7 @@ def render(plan: Plan) -> str:
              f"optimizer {plan.optimizer}, activation checkpointing {'on' if plan.checkpointing_on else 'off'}, "
              f"micro-batch {plan.micro_batch} x accumulation {plan.accum_steps}",
              "static (exact):",
-             row(f"weights ({plan.weights / max(total, 1):.0f} bytes/param)", plan.weights),
+             row(f"weights ({plan.weights / max(total, 1):.3g} bytes/param)", plan.weights),
              row("16-bit copies of matmul weights (autocast)", plan.copies),
              row("gradients", plan.gradients),
              row(f"optimizer state ({plan.optimizer})", plan.optim_state),
