@@ -72,10 +72,24 @@ def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute
             # gradient (an evaluation); training after it fails (its gemv path writes into a view)
             m.support_avx512bf16_for_cpu = False
             m.compute_dtype, m.compute_type_is_set = compute_dtype, True
+            if not getattr(m, "loads_quant_state", False):  # resume: the constants come back with the bytes
+                m._register_load_state_dict_pre_hook(load_quant_state, with_module=True)
+                m.loads_quant_state = True
     if layers:
         log.info("QLoRA: %d linear layers of %s in 4 bits (%s%s, compute %s)", len(layers), type(model).__name__,
                  quant_type, " double-quantised" if double_quant else "", str(compute_dtype).removeprefix("torch."))
     return model
+
+
+def load_quant_state(module, state_dict, prefix, *args) -> None:
+    """A ``Linear4bit``'s state dict holds its quantisation constants beside the packed weight
+    (``weight.absmax``, ``weight.quant_map``, ...): taken out of ``state_dict`` (torch would call
+    them unexpected) and made the layer's quantisation state, so a checkpoint restores both."""
+    head = prefix + "weight."
+    stats = {key[len(head):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(head)]}
+    if stats:
+        from bitsandbytes.functional import QuantState
+        module.weight.quant_state = module.quant_state = QuantState.from_dict(stats, device=module.weight.device)
 
 
 def frozen_bias(linear: nn.Linear, dtype: torch.dtype, device=None):

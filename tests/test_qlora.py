@@ -81,9 +81,16 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
         assert 0 < (on_full(ids) - trained).abs().max() < 0.5  # the base's quantisation error apart
     assert on_full.generate(ids[:1, :4], 4).shape == (1, 8)
 
+    # a checkpoint's model.safetensors restores the packed bytes and their constants (resume)
+    from safetensors.torch import load_model, save_model
+    save_model(model, str(tmp_path / "checkpoint.safetensors"))
+    other = qlora().wrap(tiny_gpt(seed=9)).eval()  # another base, quantised
+    load_model(other, str(tmp_path / "checkpoint.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids), trained, rtol=0, atol=0)
+
     qlora(merge=True).save(model, tmp_path / "merged")  # dequantised and merged: the plain model's keys
     merged = tiny_gpt(seed=5)
-    from safetensors.torch import load_model
     load_model(merged, tmp_path / "merged" / "model.safetensors")
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(ids), trained, rtol=1e-4, atol=1e-4)
