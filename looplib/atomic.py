@@ -21,6 +21,28 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def as_umask(*paths: Path) -> None:
+    """Give files and directories the permissions the umask gives a new one (``tempfile.mkdtemp``
+    makes 0700 directories and safetensors 0600 files: a teammate could not read the run)."""
+    mask = umask()
+    for path in paths:
+        os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+
+
+def make_dir_beside(target: Path, prefix: str) -> Path:
+    """A temporary directory beside ``target`` (renamed onto it once complete), as the umask makes any."""
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix))
+    as_umask(tmp)
+    return tmp
+
+
 def write_file(path: Path, data: bytes) -> None:
     """Write and flush to disk (a checkpoint's file, before its directory is renamed into place)."""
     with open(path, "wb") as f:

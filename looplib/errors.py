@@ -3,10 +3,12 @@ exit status the command line returns for it.
 
     status  ending              raised as
     0       finished            (no exception; a sweep's pruned trial also ends with 0)
+    0       nothing to do       ``NothingToDo``: resumed at its max_steps already; nothing written
     1       a rank was lost     ``LostRank``: another process of the run died (killed, out of memory, a node)
     2       refused             ``ConfigError``: a setting looplib cannot honour, found before it trains it
     3       numeric             ``NumericError``: too many consecutive steps with inf/NaN
-    74      I/O                 ``SaveError``: a checkpoint could not be written; the last complete one stays
+    74      I/O                 ``SaveError``: a checkpoint could not be written; the last complete one stays;
+                                ``DiskFull``: a disk filled up anywhere else (the token cache, the weights)
     75      preempted           ``Interrupted``: SIGTERM/SIGUSR1, saved at the next step boundary
     130     interrupted         ``Interrupted``: Ctrl-C
 
@@ -49,6 +51,12 @@ class ConfigError(RunEnded, Exception):
         super().__init__(" ".join(f"{key}: {problem}; {fix}".split()))  # always one line
 
 
+class NothingToDo(RunEnded):
+    """A resumed run that is already at its ``max_steps``: nothing is trained and nothing written."""
+
+    status = EXIT_OK
+
+
 class NumericError(RunEnded, RuntimeError):
     """Too many consecutive steps with non-finite loss or gradients."""
 
@@ -64,6 +72,39 @@ class SaveError(RunEnded, RuntimeError):
         self.path, self.cause = path, cause
         why = f"{type(cause).__name__}: {cause}" if cause is not None else "another rank failed to write its part"
         super().__init__(f"could not write the checkpoint {path} ({why})")
+
+
+class DiskFull(RunEnded, OSError):
+    """A write failed because its disk is full (``disk_full`` recognises one, wherever it happens)."""
+
+    status = EXIT_IO
+
+
+def disk_full(err: BaseException | None, where: str | None = None) -> DiskFull | None:
+    """``err`` (or what caused it) as a ``DiskFull`` naming the disk, or None for any other error.
+    Recognised: ENOSPC/EDQUOT, and torch's "file write failed" when the disk has under 16 MiB left."""
+    import errno
+    import os
+    import shutil
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        path = getattr(err, "filename", None) or where
+        text = str(err)
+        full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text
+        if not full and "write failed" in text and path:
+            probe = os.path.abspath(str(path))
+            while probe != os.path.dirname(probe) and not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+            try:
+                full = shutil.disk_usage(probe).free < 16 * 2**20
+            except OSError:
+                full = False
+        if full:
+            return DiskFull(errno.ENOSPC, f"the disk holding {path or 'the run'} is full (No space left on device)",
+                            str(path) if path else None)
+        err = err.__cause__ or err.__context__
+    return None
 
 
 class LostRank(RunEnded, RuntimeError):

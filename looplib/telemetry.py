@@ -197,6 +197,7 @@ class Telemetry:
         dt = max(now - self._t0, 1e-9)
         iv = self._interval
         row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+               "steps_averaged": iv["steps"],  # the steps behind the loss and rates (fewer after a resume)
                "step_time_s": dt / iv["steps"], "samples_per_s": iv["samples"] / dt,
                f"{self.items}_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),
                "peak_mem_mb": round(peak_memory_mb(self.device), 1),

@@ -300,3 +300,67 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_tempo
         ckpt.save(TrainState(step=4))
     assert files(tmp_path) == before  # no .tmp-* directory, the three checkpoints untouched
     assert find_checkpoint(tmp_path) == tmp_path / "step-00000003"
+
+
+def test_a_full_disk_is_named_with_the_io_status_in_the_token_cache_and_in_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """A full disk, wherever it happens, is one line naming the disk, exit status 74: while the data
+    builds its token cache (not "check the keys of the data config"), and while a checkpoint is written
+    (torch's own "file write failed", on a disk with no room left), the last good checkpoint intact."""
+    import errno
+    import shutil
+
+    from looplib import cli
+    from looplib.cli.main import main
+    from looplib.data import cache
+    from looplib.errors import EXIT_IO, SaveError
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 200)
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.root / "tokens.bin"))
+    monkeypatch.setattr(cache.Writer, "add", full)
+    with pytest.raises(SystemExit) as stop:
+        cli.run(main, ["data=text", f"data.path={tmp_path / 'text.txt'}", "data.vocab_size=300", "max_steps=1",
+                       f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("looplib:")]
+    assert stop.value.code == EXIT_IO and len(said) == 1, err
+    assert said[0].startswith(f"looplib: error: the disk holding {tmp_path / 'cache'}") and "is full" in said[0], said
+    assert not (tmp_path / "run").exists()  # before training: nothing of the run stays
+    monkeypatch.undo()
+
+    ckpt = three_checkpoints(tmp_path / "ck")
+    before = files(tmp_path / "ck")
+
+    def write_failed(*args, **kwargs):  # torch's message on a full disk names no errno
+        raise RuntimeError("[enforce fail at inline_container.cc:859] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+    monkeypatch.setattr(torch, "save", write_failed)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30, 4096))
+    with pytest.raises(SaveError) as raised:
+        ckpt.save(TrainState(step=4))
+    from looplib.run.lifecycle import ending
+    from looplib.run.signals import Signals
+    line = ending(raised.value, Signals(), None, tmp_path)
+    assert raised.value.status == EXIT_IO and "is full (No space left on device)" in line, line
+    assert files(tmp_path / "ck") == before and find_checkpoint(tmp_path / "ck") == tmp_path / "ck" / "step-00000003"
+
+
+def test_checkpoints_and_weights_follow_the_umask(tmp_path):
+    """Not 0700 directories and 0600 weights whatever the umask (tempfile's and safetensors' own modes):
+    a teammate in the group reads the run when the umask says so."""
+    import os
+    import stat
+
+    from looplib.engines.local import write_safetensors
+    old = os.umask(0o027)
+    try:
+        three_checkpoints(tmp_path / "ck")
+        write_safetensors({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert modes["model.safetensors"] == 0o640
+    step = "ck/step-00000003"
+    assert modes[step] == 0o750 and modes[f"{step}/model.safetensors"] == modes[f"{step}/state.pt"] == 0o640, modes

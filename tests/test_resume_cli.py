@@ -71,24 +71,43 @@ def test_kill_anywhere_8_trials(tmp_path, reference):
     assert killed_running >= 6, [line for _, line in results]
 
 
+def files_of(run_dir):
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
 def test_resume_refuses_a_breaking_change_and_accepts_a_safe_one(tmp_path):
+    """A refused command writes nothing anywhere: every file of the run it names (Hydra's .hydra/ and
+    train.log included) stays byte for byte; max_steps below the checkpoint is refused, at it there is
+    nothing to do (exit 0). The first metrics row after the resume says how many steps it averages."""
     run_dir = tmp_path / "run"
-    quick = [a for a in ARGS if not a.startswith("max_steps")] + ["max_steps=3"]
-    assert run_cli(*quick, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
-    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    r = run_cli(*quick, "model.n_layer=2", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert r.returncode == 2
-    lines = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
-    assert lines == [lines[0]] and "changed model.n_layer from 4 to 2" in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
-    r = run_cli(*quick, "+optim=sgd", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert r.returncode == 2 and "changed optim._target_" in r.stderr
-    r = run_cli(*[a for a in quick if a != "max_steps=3"], "max_steps=5", "resume=auto",
-                f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    quick = [a for a in ARGS if not a.startswith(("max_steps", "log_every"))] + ["log_every=2"]
+    assert run_cli(*quick, "max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    before = files_of(run_dir)
+    for typed, status, said in ((["max_steps=3", "model.n_layer=2"], 2, "changed model.n_layer from 4 to 2"),
+                                (["max_steps=3", "+optim=sgd"], 2, "changed optim._target_"),
+                                (["max_steps=2"], 2, "error: max_steps: max_steps=2 is below the step of the checkpoint"),
+                                (["max_steps=3"], 0, "nothing to do: the run in")):
+        r = run_cli(*quick, *typed, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
+        assert r.returncode == status and len(lines) == 1 and said in lines[0], (typed, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert files_of(run_dir) == before, typed  # byte for byte: config.yaml, .hydra/, train.log, checkpoints
+    r = run_cli(*quick, "max_steps=6", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "changed: max_steps: 3 -> 5" in r.stdout
-    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
+    assert "changed: max_steps: 3 -> 6" in r.stdout
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 6]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["steps_averaged"] for r in rows if "loss" in r} == {1: 1, 2: 1, 3: 1, 4: 1, 6: 2}
+
+
+def test_resume_auto_without_a_directory_names_only_a_run_that_can_continue(tmp_path):
+    quick = [a for a in ARGS if not a.startswith("max_steps")] + ["max_steps=2", "checkpoint.every_steps=0"]
+    assert run_cli(*quick, cwd=tmp_path).returncode == 0  # outputs/<date>/<time>: finished at step 2
+    r = run_cli(*quick, "resume=auto", cwd=tmp_path)
+    assert r.returncode == 2 and "no run under outputs/ has a checkpoint it can continue from" in r.stderr, r.stderr
+    r = run_cli(*[a for a in quick if a != "max_steps=2"], "max_steps=4", "resume=auto", cwd=tmp_path)
+    [run] = list((tmp_path / "outputs").glob("*/*"))
+    assert r.returncode == 2 and f"the most recent run with a checkpoint is {run.relative_to(tmp_path)} (step 2)" in r.stderr, r.stderr
 
 
 def test_resume_path_without_checkpoint_is_an_error(tmp_path):

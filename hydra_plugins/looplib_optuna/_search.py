@@ -11,7 +11,11 @@ skips modules whose name begins with ``_``, so Optuna is not imported by every r
   same directory is refused. A trial left running by a sweep that died is marked failed (and
   not counted) when the sweep is run again.
 - Each job gets ``hydra.sweeper.trial``/``storage``/``study_name`` so that it can report its
-  evaluations to its trial (``looplib.sweep.TrialReporter``) from any launcher's process.
+  evaluations to its trial (``looplib.cli.sweep.TrialReporter``) from any launcher's process.
+- Under torchrun (several processes, one run each trial) rank 0 alone asks the study, touches its
+  storage and tells it the results; it hands each batch of trials' overrides to the other ranks
+  (over the run's process group, started here), which launch the same jobs: a trial trains one
+  configuration on every rank.
 """
 from __future__ import annotations
 
@@ -214,6 +218,9 @@ class StudySearch:
     # ------------------------------------------------------------------ the sweep
     def run(self, launcher) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.ranks = Ranks(self.config)
+        if not self.ranks.main:
+            return self.ranks.follow(launcher)  # rank 0 asks the study; this rank runs what it is handed
         study = self.open_study()
         for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.warning("trial %d was left running by a sweep that stopped: marked failed, not counted", stale.number)
@@ -235,6 +242,7 @@ class StudySearch:
                 jobs.append(overrides + [f"hydra.sweeper.trial={trial.number}",
                                          f"hydra.sweeper.storage='{self.storage}'",
                                          f"hydra.sweeper.study_name='{self.study_name}'"])
+            self.ranks.hand_out(jobs, trials[0].number)
             try:
                 returns = launcher.launch(jobs, initial_job_idx=trials[0].number)
             except BaseException:  # a job that stopped the sweep (exit 2, a signal): its trials failed
@@ -246,6 +254,7 @@ class StudySearch:
             to_go -= batch
             told += trials
             self.stop_if_failing(study, told)
+        self.ranks.end()  # the other ranks' sweep ends with this one's
         self.write_results(study)
 
     def stop_if_failing(self, study: optuna.study.Study, told: list) -> None:
@@ -255,6 +264,7 @@ class StudySearch:
         failed = [t.number for t in told if states[t.number].state == optuna.trial.TrialState.FAIL]
         if len(failed) / len(told) <= self.max_failure_rate:
             return
+        self.ranks.end()
         self.write_results(study)
         print(f"looplib: error: hydra.sweeper.max_failure_rate: {len(failed)} of the {len(told)} trials this sweep "
               f"ran failed ({len(failed) / len(told):.2g} > {self.max_failure_rate:g}), so it stopped; the study is "
@@ -297,6 +307,44 @@ class StudySearch:
                    "command": command(best.user_attrs.get("overrides", []))}
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
         log.info("best trial %d: %s %.6g with %s", best.number, self.metric, best.value, best.params)
+
+
+class Ranks:
+    """The ranks of a sweep started by a launcher of several processes (torchrun): rank 0 hands each
+    batch of jobs to the others. One process: nothing to hand out."""
+
+    def __init__(self, config: DictConfig):
+        from looplib.engines import launch
+        world, _ = launch.launched_world()
+        self.launch, self.several = launch, world > 1
+        self.main = launch.launched_rank() == 0
+        if self.several:
+            from looplib.engines.local import resolve_device
+            device = launch.process_device(resolve_device(str(OmegaConf.select(config, "device", default="auto"))))
+            launch.init_process_group(device)  # the run's own: every trial's engine finds it started
+
+    def hand_out(self, jobs: list[list[str]] | None, first: int) -> None:
+        if self.several:
+            self.launch.broadcast_object((jobs, first))
+
+    def follow(self, launcher) -> None:
+        """Launch what rank 0 hands out, until it says the sweep is over."""
+        while True:
+            jobs, first = self.launch.broadcast_object(None)
+            if jobs is None:
+                return self.close()
+            launcher.launch(jobs, initial_job_idx=first)
+
+    def end(self) -> None:
+        """The sweep is over: the others told, then every rank's process group closed together
+        (rank 0 hosts the group's store: a rank still tearing down after it exits aborts)."""
+        self.hand_out(None, 0)
+        self.close()
+
+    def close(self) -> None:
+        if self.several:
+            self.launch.barrier()
+            self.launch.destroy_process_group()
 
 
 def command(overrides: list[str]) -> str:

@@ -44,6 +44,7 @@ class Boundary:
         self.in_job = False
         self.sweep_dir: Path | None = None
         self.sweep_fresh = False
+        self.held: tuple[Path, dict] | None = None  # an existing run directory's Hydra files, before this command
 
     def report(self, original: Callable) -> Callable:
         """Hydra's ``run_and_report``, but a refusal before a job is raised to ``run``."""

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..engines import launch
 from ..errors import EXIT_CONFIG, ConfigError
-from ..run.rundir import check, continued, latest_resumable, write_exit_status
+from ..run.rundir import check, continued, latest_resumable, results, snapshot, write_exit_status
 from .entry import BOUNDARY
 from .sweep import SWEEPER
 
@@ -69,10 +69,15 @@ def check_resume_target(config: DictConfig) -> None:
     if root is None:
         return
     task = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
-    found = latest_resumable(root)
+    typed = [o.split("=", 1)[1] for o in task if o.lstrip("+~").startswith("max_steps=")]
+    try:
+        goal = int(typed[-1]) if typed else None  # a longer run asked for: a finished one may go on
+    except ValueError:
+        goal = None
+    found = latest_resumable(root, goal)
     if found is None:
         raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given and "
-                          f"no run under {root}/ has a checkpoint to continue",
+                          f"no run under {root}/ has a checkpoint it can continue from (a finished run has none)",
                           "to start a new run leave resume out; to continue a run elsewhere give its directory: "
                           "hydra.run.dir=DIR")
     run, step = found
@@ -96,7 +101,8 @@ class RunDirGuard(Callback):
         resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
         try:
             check(path, None if resume is None else str(resume), key)
-            made(path, key)
+            if launch.launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
+                made(path, key)
         except ConfigError as err:
             refuse(err)
 
@@ -106,6 +112,9 @@ class RunDirGuard(Callback):
         except ConfigError as err:
             refuse(err)
         self._check(config, "hydra.run.dir")
+        path = as_rank0(config, "hydra.run.dir")
+        if path is not None and results(path):  # an existing run, continued: what Hydra rewrites, kept
+            BOUNDARY.held = (path, snapshot(path))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if OmegaConf.select(config, "hydra.sweeper._target_") == SWEEPER:

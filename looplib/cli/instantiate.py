@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .. import groups
 from ..engines.launch import launched_rank, launched_world
-from ..errors import ConfigError
+from ..errors import ConfigError, RunEnded, disk_full
 from ..loggers import Logger, Loggers
 from ..run.settings import Settings, settings_from
 from ..schema import check_options, cli, parameters, refuse_unknown
@@ -152,8 +152,11 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
         return hydra.utils.instantiate(node, _convert_="all", **runtime)  # plain dicts and lists, never DictConfig
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, RunEnded):  # ConfigError, DiskFull, Interrupted: the ending itself
             raise cause from None
+        full = disk_full(cause)
+        if full is not None:  # a full disk while the data builds its token cache: not a setting to fix
+            raise full from None
         if isinstance(cause, ImportError) or "Error locating target" in str(err):
             locate(group, target)  # raises the one-line error naming the import that failed
         reason = " ".join(str(cause or err).split())

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ..engines.launch import launched_world
-from ..errors import RunEnded
+from ..errors import ConfigError, Interrupted, NothingToDo, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
 from ..peft import FullModel
@@ -27,6 +27,7 @@ from ..run.lifecycle import assemble, execute
 from ..run.settings import Settings
 from ..run.signals import Signals
 from . import sweep
+from .entry import BOUNDARY
 from .instantiate import build_loggers, check_config, instantiate, origin
 
 
@@ -88,6 +89,10 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
     try:
         execute(lambda: job_parts(cfg), run_dir, signals, fresh=fresh)
     except RunEnded as end:
+        held = BOUNDARY.held
+        if isinstance(end, (ConfigError, Interrupted, NothingToDo)) and not signals.training and held is not None \
+                and held[0] == run_dir.absolute():
+            rundir.restore(*held)  # refused: the run it named is byte for byte as it was
         if end.line:
             print(end.line, file=sys.stderr, flush=True)
         return end.status

@@ -105,9 +105,13 @@ def last_value(rows: list[dict], key: str) -> float | None:
 
 def reporting(cfg) -> list[Logger]:
     """The loggers a job of looplib's Optuna sweeper adds: a ``TrialReporter`` when the sweep
-    prunes; none otherwise (a grid sweep, a single run, Hydra's other sweepers)."""
+    prunes, on rank 0 only (the only process that touches the study; its decision to prune is
+    agreed by every rank at the next step boundary, as a preemption is); none otherwise (a grid
+    sweep, a single run, Hydra's other sweepers)."""
     from hydra.core.hydra_config import HydraConfig
-    if not in_sweep():
+
+    from ..engines.launch import launched_rank
+    if not in_sweep() or launched_rank() != 0:
         return []
     sweeper = HydraConfig.get().sweeper
     if sweeper.get("_target_") != SWEEPER or sweeper.get("trial") is None or sweeper.get("pruner") in (None, "none"):

@@ -23,14 +23,14 @@ import logging
 import mmap
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..atomic import make_dir_beside
+from ..errors import ConfigError, disk_full
 from .tokenizer import cache_root
 
 log = logging.getLogger("looplib")
@@ -170,8 +170,10 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
         shutil.rmtree(path, ignore_errors=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+        tmp = make_dir_beside(path, path.name + ".tmp")
     except OSError as err:
+        if disk_full(err, str(path)) is not None:
+            raise disk_full(err, str(path)) from None
         raise ConfigError("data", f"cannot write the token cache {path} ({err})",
                           "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
     try:

@@ -13,12 +13,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 
+from ..atomic import make_dir_beside
 from ..errors import ConfigError, need
 
 log = logging.getLogger("looplib")
@@ -177,7 +177,7 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
                             show_progress=False)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        tmp = make_dir_beside(target, target.name + ".tmp")
     except OSError as err:
         raise ConfigError("data", f"cannot write the tokenizer cache {target} ({err})",
                           "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None

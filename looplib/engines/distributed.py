@@ -22,6 +22,13 @@ class Distributed(Engine):
         self.device = launch.process_device(resolve_device(str(device)))  # cuda -> cuda:LOCAL_RANK
         self.rank, self.timeout_s = launch.launched_rank(), timeout_s    # the process group comes in setup
 
+    def agree(self, config: dict) -> None:
+        """The ranks compare their resolved configs before anything is built (the process group
+        starts here); a difference (a value read from a per-rank environment variable, a launcher
+        script, a clock-based seed) is refused on every rank, naming the keys."""
+        launch.start(self)
+        launch.refuse_disagreement(config)
+
     def global_items(self, items: int) -> float:
         return launch.items_per_rank(items, self.device)
 

@@ -206,6 +206,31 @@ def barrier() -> None:
         dist.barrier()
 
 
+def flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def refuse_disagreement(config: dict) -> None:
+    """Every rank gathers every rank's config; where they differ, every rank refuses alike."""
+    configs = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, flat(config))
+    keys = sorted({k for c in configs for k in c if any(c.get(k) != other.get(k) for other in configs)})
+    if not keys:
+        return
+    shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)!r}" for r, c in enumerate(configs)
+                                           if r == 0 or c.get(k) != configs[0].get(k))
+                      for k in keys[:3]) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
+    raise ConfigError(keys[0], f"the {len(configs)} processes were given different jobs ({shown})",
+                      "give every process the same command and settings (no value read from a per-rank "
+                      "environment variable, no clock-based seed): one run trains one configuration")
+
+
 def broadcast_object(obj):
     """Rank 0's ``obj`` on every rank."""
     box = [obj]

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..atomic import as_umask
 from ..errors import ConfigError
 
 
@@ -65,6 +66,10 @@ class Engine:
 
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
+
+    def agree(self, config: dict) -> None:
+        """Every rank runs the same job, or none does: compared before anything is built (one
+        process: nothing to compare)."""
 
     def check_evaluation(self, evaluation) -> None:
         """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
@@ -158,6 +163,7 @@ def write_safetensors(module, path: Path) -> None:
         module = _StateDict(module)
     tmp = path.with_name(path.name + ".tmp")
     save_model(module, str(tmp))
+    as_umask(tmp)  # safetensors writes 0600
     os.replace(tmp, path)
 
 

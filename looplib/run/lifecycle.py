@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..engines.launch import launched_rank, lost_rank_line
-from ..errors import ConfigError, Interrupted, LostRank, NumericError, RunEnded, SaveError
+from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError,
+                      disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
 from .rundir import forget, results
 from .settings import Settings
@@ -52,20 +53,18 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
         finally:
             if parts is not None and parts.precision is not None:
                 parts.precision.close()  # TF32's process-wide flags: a sweep's next job starts clean
-    except RunEnded as end:
-        signals.finish()  # from here a signal changes nothing
-        end.line = ending(end, signals, record, run_dir)
-        if not signals.training and isinstance(end, (ConfigError, Interrupted)) and run_dir is not None:
-            forget(run_dir, fresh)  # found before training: nothing of this run stays behind
-        raise
-    except Exception as err:  # noqa: BLE001 - a collective that failed because another rank is gone
-        signals.finish()  # first: torchrun's SIGTERM to the survivors may arrive while the lost rank is looked for
-        line = lost_rank_line(err)
-        if line is None:
+    except BaseException as err:
+        signals.finish()  # from here a signal changes nothing (torchrun's SIGTERM to the survivors of a lost rank)
+        end = err if isinstance(err, RunEnded) else as_ending(err, run_dir)
+        if end is None:
             raise
-        lost = LostRank(line.removeprefix("looplib: stopped: "))
-        lost.line = line
-        raise lost from err
+        if not isinstance(end, LostRank):
+            end.line = ending(end, signals, record, run_dir)
+        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull)) and run_dir is not None:
+            forget(run_dir, fresh)  # found before training: nothing of this run stays behind
+        if end is err:
+            raise
+        raise end from err
     signals.finish()
     if trained.state.preempted and signals.signum is not None:  # saved at a step boundary, said in the log
         job.engine.close()  # every rank got here
@@ -78,8 +77,25 @@ def assemble(parts: Parts, settings: Settings, record: Record) -> Job:
     """Check, build the expensive parts, build the job: a run ready to train (what ``execute``
     trains; a tool that probes a job without training it calls this alone)."""
     check(parts, settings)
+    parts.engine.agree(record.config)  # several processes: the same job on every rank, or none
     parts.build_later()
     return build(parts, settings, record)
+
+
+def as_ending(err: BaseException, run_dir: Path | None) -> RunEnded | None:
+    """A full disk (``DiskFull``), or a collective that failed because another rank is gone
+    (``LostRank``, its line said by the first survivor of each host); None for anything else."""
+    if not isinstance(err, Exception):
+        return None
+    full = disk_full(err, str(run_dir) if run_dir is not None else None)
+    if full is not None:
+        return full
+    line = lost_rank_line(err)
+    if line is None:
+        return None
+    lost = LostRank(line.removeprefix("looplib: stopped: "))
+    lost.line = line
+    return lost
 
 
 def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path | None) -> str:
@@ -88,10 +104,17 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
         return ""
     if isinstance(end, ConfigError):
         return f"looplib: error: {end}"
+    if isinstance(end, NothingToDo):
+        return f"looplib: nothing to do: {end}"
     if isinstance(end, NumericError):
         return f"looplib: stopped: {end}"
     if isinstance(end, SaveError):
-        return f"looplib: error: {end}; the last complete checkpoint stays (resume=auto continues from it)"
+        full = disk_full(end.cause, str(end.path))
+        what = f"could not write the checkpoint {end.path}: {full.strerror}" if full is not None else str(end)
+        return f"looplib: error: {what}; the last complete checkpoint stays (resume=auto continues from it)"
+    if isinstance(end, DiskFull):
+        return (f"looplib: error: {end.strerror}; free some space (or write elsewhere: hydra.run.dir=..., "
+                "LOOPLIB_CACHE=...) and run the command again (resume=auto continues from the last complete checkpoint)")
     if isinstance(end, Interrupted) and signals.training:  # a second Ctrl-C while training
         hint = (record.resume_hint if record is not None else "resume=auto").format(
             run_dir=shlex.quote(str(run_dir)))

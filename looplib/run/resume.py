@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_atomic
-from ..errors import ConfigError
+from ..errors import ConfigError, NothingToDo
 from ..train_state import TrainState
 from .checkpoint_dir import InvalidCheckpoint, find_checkpoint, inspect_checkpoint, set_rng_state, unwrap
 from .saving import Checkpoints
@@ -101,10 +101,12 @@ def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict 
     return checked["accepted"]
 
 
-def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path) -> None:
+def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Path, max_steps: int) -> None:
     """``resume=auto``: the newest valid checkpoint of this run directory (none: start afresh);
     ``resume=PATH``: a checkpoint, or a run directory holding some. Invalid checkpoints (see
-    ``checkpoint_dir.inspect_checkpoint``) are skipped with a warning, or refused when named directly."""
+    ``checkpoint_dir.inspect_checkpoint``) are skipped with a warning, or refused when named directly.
+    A checkpoint at ``max_steps`` already is ``NothingToDo``, one past it a ``ConfigError``: both
+    before anything is loaded or written."""
     found: dict = {}
     try:
         path = find(checkpoints, run_dir if where == "auto" else Path(where), found)
@@ -119,6 +121,14 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
     else:
+        at = found[path]["step"]
+        if at > max_steps:
+            raise ConfigError("max_steps", f"max_steps={max_steps} is below the step of the checkpoint it resumes "
+                              f"({at}, {path}): a run cannot go back", f"give max_steps above {at} to train further, "
+                              f"or start a new run in a new directory to train {max_steps} steps")
+        if at == max_steps:
+            raise NothingToDo(f"the run in {run_dir} is at step {at} already (max_steps={max_steps}), its files "
+                              f"untouched; give max_steps above {at} to train further")
         accepted = load(checkpoints, path, state, found.get(path))
         log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, state.step, state.epoch,
                  state.batches_seen, "; changed: " + ", ".join(accepted) if accepted else "")

@@ -104,16 +104,58 @@ def artefacts(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def latest_resumable(root: Path) -> tuple[Path, int] | None:
-    """The most recent run directory under ``root`` holding a valid checkpoint, and its step."""
-    from .checkpoint_dir import is_valid, step_dirs
+def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, int] | None:
+    """The most recent run directory under ``root`` whose newest valid checkpoint can still be
+    continued (its step below ``max_steps``, or, not given, below the run's own), and its step."""
+    from .checkpoint_dir import is_valid, read_config
     runs = {p.parent for depth in ("*/checkpoints", "*/*/checkpoints") for p in root.glob(depth) if p.is_dir()}
     for run in sorted(runs, key=lambda p: (p / "checkpoints").stat().st_mtime, reverse=True):
         for step in step_dirs(run / "checkpoints"):
             if is_valid(step) is None:
                 digits = "".join(c for c in step.name if c.isdigit())
-                return run, int(digits or 0)
+                try:
+                    goal = max_steps or int(read_config(step / "config.yaml").get("max_steps", 0))
+                except (ValueError, TypeError):
+                    goal = 0
+                if int(digits or 0) < goal:
+                    return run, int(digits or 0)
+                break  # its newest checkpoint is its end: a finished run, nothing to continue
     return None
+
+
+def snapshot(path: Path) -> dict[str, bytes | int]:
+    """What Hydra is about to rewrite in an existing run directory: the bytes of ``.hydra/*`` and
+    the length of each log file (appended to), so that a refused command can put them back."""
+    held: dict[str, bytes | int] = {}
+    if path.is_dir():
+        for f in sorted((path / ".hydra").glob("*")) if (path / ".hydra").is_dir() else ():
+            if f.is_file():
+                held[str(f.relative_to(path))] = f.read_bytes()
+        for f in path.glob("*.log"):
+            held[f.name] = f.stat().st_size
+    return held
+
+
+def restore(path: Path, held: dict[str, bytes | int]) -> None:
+    """Undo what a refused command wrote into an existing run directory (``snapshot``'s files
+    byte for byte, logs cut back to their length; files it added removed)."""
+    hydra = path / ".hydra"
+    for f in sorted(hydra.glob("*")) if hydra.is_dir() else ():
+        if str(f.relative_to(path)) not in held and f.is_file():
+            f.unlink()
+    for f in path.glob("*.log"):
+        if f.name not in held:
+            f.unlink()
+    for name, was in held.items():
+        f = path / name
+        if isinstance(was, int):
+            if f.exists() and f.stat().st_size != was:
+                os.truncate(f, was)
+        elif not f.exists() or f.read_bytes() != was:
+            f.parent.mkdir(exist_ok=True)
+            write_atomic(f, was)
+    if hydra.is_dir() and not any(hydra.iterdir()) and not any(k.startswith(".hydra/") for k in held):
+        hydra.rmdir()
 
 
 def forget(path: Path, fresh: bool) -> None:

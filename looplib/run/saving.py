@@ -14,13 +14,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from ..atomic import fsync_dir, write_file
+from ..atomic import as_umask, fsync_dir, make_dir_beside, write_file
 from ..engines.local import Engine
 from ..errors import NumericError, SaveError
 from ..train_state import TrainState
@@ -133,7 +132,7 @@ class Checkpoints:
             tmp = final
             needs = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         else:
-            tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{final.name}-"))
+            tmp = make_dir_beside(final, f".tmp-{final.name}-")
             needs = list(LOCAL_FILES)
         try:
             self._fill(tmp, final, blob, position, needs)
@@ -150,6 +149,7 @@ class Checkpoints:
             p = self.parts
             from safetensors.torch import save_model
             save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
+            as_umask(tmp / "model.safetensors")  # safetensors writes 0600
             with open(tmp / "model.safetensors", "rb+") as f:
                 os.fsync(f.fileno())
             blob.update(optimizer=p["optimizer"].state_dict(), precision=p["precision"].state_dict())

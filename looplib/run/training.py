@@ -58,7 +58,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                      precision=job.precision, epochs=epochs, preemption=signals)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
-        resume(checkpoints, state, s.resume, run_dir)
+        resume(checkpoints, state, s.resume, run_dir, s.max_steps)
     if engine.is_main and run_dir is not None:
         write_atomic(run_dir / "config.yaml", job.record.text)
         job.data.save(run_dir)  # e.g. labels.json
