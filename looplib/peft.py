@@ -180,7 +180,8 @@ class QLoRA(LoRA):
                               "(bitsandbytes' packed weights and their quantisation constants are not parameters "
                               "it knows)", "use the local engine or +engine=ddp with +peft=qlora")
         dtype = precision.dtype or torch.float32
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or type(precision).convert is not Precision.convert:
+        converts = type(precision).convert is not Precision.convert  # fp8: its own linear layers
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or converts:
             raise ConfigError("peft", f"the 4-bit base computes in fp32, bf16 or fp16, not under "
                               f"+precision={precision.name}", "use +precision=bf16 (or fp32, fp16) with +peft=qlora")
         self.device, self.compute_dtype = engine.device, dtype

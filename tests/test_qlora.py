@@ -113,44 +113,38 @@ def chat_records(path, n=24):
     return path
 
 
-def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path):
+def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path, capsys):
     """Trained on chat records through the command line: the end-of-run sample and looplib.generate
     prompt it through its chat template, and generate loads the adapter on the 4-bit base."""
     transformers = pytest.importorskip("transformers")
     run_dir = tmp_path / "run"
     job = [f"model=hf", f"model.path={tiny_pretrained}", "model.seq_len=32", "+peft=qlora", "data=instruct",
            f"data.path={chat_records(tmp_path / 'chat.jsonl')}"]
-    r = run_cli(*job, "max_steps=12", "batch_size=4", "lr=2e-2", "log_every=1", "eval_batches=0", "sample_tokens=6",
+    r = run_cli(*job, "max_steps=8", "batch_size=4", "lr=3e-2", "log_every=1", "eval_batches=0", "sample_tokens=6",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     trace = losses(run_dir / "metrics.jsonl")
     assert trace[-1] < trace[0] - 0.1
     sample = (run_dir / "sample.txt").read_text()
     assert sample.startswith("<|user|>\nadd ") and "<|assistant|>\n" in sample  # a held-out conversation, templated
-    out = run_cli(str(run_dir), "--prompt", "add 2 and 3", "--tokens", "3", cwd=tmp_path, module="looplib.generate")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("<|user|>\nadd 2 and 3\n<|assistant|>\n"), out.stdout
-    from looplib.cli.generate import default_prompt, load_hf, run_config
+    from looplib.cli.generate import default_prompt, load_hf, main, run_config
+    assert main([str(run_dir), "--prompt", "add 2 and 3", "--tokens", "3"]) == 0  # python -m looplib.generate
+    printed = capsys.readouterr().out
+    assert printed.startswith("<|user|>\nadd 2 and 3\n<|assistant|>\n"), printed
     assert default_prompt(run_dir, "add 2 and 3", raw=True) == ("add 2 and 3", False)
-    loaded = load_hf(run_dir / "hf", torch.device("cpu"), run_config(run_dir))[0]
-    assert sum(is_4bit(m) for m in loaded.modules()) == 14  # the base in 4 bits, as trained
     config = json.loads((run_dir / "hf" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_pretrained)
     assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {  # every linear layer but lm_head
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-    ids = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(3))
+    # peft loads the adapter on the 4-bit base (as looplib.generate does: BitsAndBytesConfig) and on the
+    # full-precision model.path, and both generate
+    on_4bit = load_hf(run_dir / "hf", torch.device("cpu"), run_config(run_dir))[0]
+    assert isinstance(on_4bit, peft.PeftModel) and sum(is_4bit(m) for m in on_4bit.modules()) == 14
     full = peft.AutoPeftModelForCausalLM.from_pretrained(str(run_dir / "hf")).eval()
-    bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                 bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained, quantization_config=bnb_config,
-                                                             device_map="cpu", dtype=torch.float32)
-    for m in base.modules():  # bitsandbytes' CPU inference kernel cannot take layers this small
-        m.support_avx512bf16_for_cpu = False
-    on_4bit = peft.PeftModel.from_pretrained(base, str(run_dir / "hf")).eval()
+    ids = torch.randint(0, 384, (1, 8), generator=torch.Generator().manual_seed(3))
     for model in (full, on_4bit):
-        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-        assert out.shape == (1, 12)
+        assert model.generate(input_ids=ids, max_new_tokens=4, do_sample=False).shape == (1, 12)
     with torch.no_grad():
         assert (full(input_ids=ids).logits - on_4bit(input_ids=ids).logits).abs().max() < 0.5
 

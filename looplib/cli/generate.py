@@ -85,8 +85,8 @@ def load_qlora(directory: Path, settings: dict, compute: torch.dtype, device: to
                                               bnb_4bit_use_double_quant=settings.get("double_quant", True),
                                               bnb_4bit_compute_dtype=compute)
     where = device.index if device.type == "cuda" and device.index is not None else str(device)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, quantization_config=options, local_files_only=True,
-                                                             device_map={"": where}, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, quantization_config=options, dtype=torch.float32,
+                                                             local_files_only=True, device_map={"": where})
     for m in base.modules():  # bitsandbytes' CPU inference kernel cannot take layers narrower than a block
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     parser.add_argument("--raw", action="store_true",
-                        help="a model trained on chat records: the prompt as it is, not a user turn in its chat template")
+                        help="a model trained on chat records: the prompt as it is, not a user turn in its template")
     args = parser.parse_args(argv)
     try:
         from ..engines.local import resolve_device

@@ -32,8 +32,8 @@ def export_model(model, run_dir: Path, weights: dict[str, torch.Tensor], corpus=
     if not hasattr(model.hf, "peft_config"):
         model.hf.save_pretrained(tmp, state_dict=weights, max_shard_size=model.max_shard_size)
     elif merge:  # a 4-bit base (QLoRA) dequantised first
-        save_full_precision(model.hf.get_base_model(), tmp, merge_lora(model.hf, dequantized(model.hf, weights), merge=True),
-                            model.max_shard_size)
+        merged = merge_lora(model.hf, dequantized(model.hf, weights), merge=True)
+        save_full_precision(model.hf.get_base_model(), tmp, merged, model.max_shard_size)
     else:
         base_path = model.path if model.path_is_base else None
         if base_path is None:  # the frozen base is saved too, and pointed at

@@ -86,7 +86,7 @@ class Saved:
     the chosen module it was saved, kept or taken in, None outside every chosen one)."""
     saved: dict = field(default_factory=dict)   # by autograd (parameters and autocast's weight copies not counted)
     inputs: dict = field(default_factory=dict)  # the chosen modules' tensor inputs (what recomputation starts from)
-    kept: dict = field(default_factory=dict)    # outputs of the ops selective checkpointing keeps, inside chosen modules
+    kept: dict = field(default_factory=dict)    # outputs of the ops selective checkpointing keeps (in chosen modules)
     held: list = field(default_factory=list)    # every tensor noted, alive until the end: no address is reused
 
     def note(self, what: str, t: torch.Tensor, owner: str | None) -> None:
