@@ -240,6 +240,8 @@ class HostCopies:
         self.back: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(host) -> device bytes
 
     def pack(self, t: torch.Tensor):
+        if t.layout is not torch.strided or type(t) not in (torch.Tensor, nn.Parameter):  # sparse, DTensor ...: kept
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.keep or storage.nbytes() == 0 or t.device.type == "meta":

@@ -118,7 +118,7 @@ def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path, capsys
     prompt it through its chat template, and generate loads the adapter on the 4-bit base."""
     transformers = pytest.importorskip("transformers")
     run_dir = tmp_path / "run"
-    job = [f"model=hf", f"model.path={tiny_pretrained}", "model.seq_len=32", "+peft=qlora", "data=instruct",
+    job = ["model=hf", f"model.path={tiny_pretrained}", "model.seq_len=32", "+peft=qlora", "data=instruct",
            f"data.path={chat_records(tmp_path / 'chat.jsonl')}"]
     r = run_cli(*job, "max_steps=8", "batch_size=4", "lr=3e-2", "log_every=1", "eval_batches=0", "sample_tokens=6",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)

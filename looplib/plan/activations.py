@@ -15,7 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checkpointing import SAVE, ActivationCheckpointing, Checkpointing
 from ..loss import SequenceCrossEntropy
-from .static import nbytes
 
 
 class MetaAutocast(TorchFunctionMode):
