@@ -1,12 +1,20 @@
 """How held-out loss is computed: with the training weights (the null object), or with a
 half-precision copy of them (``+evaluation=bf16`` / ``fp16``: the guides' "full fp16/bf16 eval").
 
+The held-out loss is a property of the weights: the sum of the loss over every loss-bearing item
+(token) of a fixed set of held-out sequences, divided by their number, whatever the micro-batch,
+the accumulation, the number of processes or the engine. The set is chosen once
+(``looplib.data.loading.held_out``: ``eval_samples`` sequences spread evenly over the held-out
+split, each rank a share of them); ``evaluate`` sums losses and counts on each rank (in float64)
+and adds them up across ranks before dividing.
+
 A strategy is any callable ``(model, batches, objective, precision, engine) -> float``, the
 signature of ``evaluate`` (below); ``fit(..., evaluator=...)`` takes one. A strategy that casts the
 model's weights says so (``casts_weights``): an engine that shards them (FSDP) refuses it.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
@@ -24,16 +32,30 @@ HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches, objective, precision: Precision, engine: Engine) -> float:
-    """Mean loss per item over ``batches``, under the precision context, in inference mode."""
+    """Loss per item over ``batches`` and over every rank's own batches (the engine adds the
+    sums and the counts up), under the precision context, in inference mode. Every rank calls
+    it with as many batches as the others (a sharded model's forward is collective)."""
     was_training = model.training
     model.eval()
-    total, items = torch.zeros((), device=engine.device), 0
+    wide = torch.float32 if engine.device.type == "mps" else torch.float64  # (MPS has no float64)
+    total, items = torch.zeros((), dtype=wide, device=engine.device), 0
     for batch in batches:
         items += objective.count(batch)
         with precision.autocast():
-            total += objective(model, engine.to_device(batch)).float()
+            total += objective(model, engine.to_device(batch)).to(wide)
     model.train(was_training)
-    return total.item() / max(items, 1)
+    sums = engine.sum_across_ranks(torch.stack([total, torch.tensor(float(items), dtype=wide, device=engine.device)]))
+    total, items = sums.tolist()
+    return total / max(items, 1)
+
+
+def metrics_of(objective, engine: Engine) -> dict:
+    """The objective's other held-out metrics (a classifier's accuracy), over every rank: an
+    ``eval_metrics`` that takes ``reduce`` is given the engine's sum across ranks."""
+    metrics = objective.eval_metrics
+    if "reduce" in inspect.signature(metrics).parameters:
+        return metrics(reduce=engine.sum_across_ranks)
+    return metrics()
 
 
 class Scores(float):
@@ -45,9 +67,8 @@ class Scores(float):
         return self
 
 
-def scored(loss: float, objective) -> float:
-    metrics = getattr(objective, "eval_metrics", None)
-    return Scores(loss, metrics()) if metrics else loss
+def scored(loss: float, objective, engine: Engine) -> float:
+    return Scores(loss, metrics_of(objective, engine)) if hasattr(objective, "eval_metrics") else loss
 
 
 class Evaluation:
@@ -56,7 +77,7 @@ class Evaluation:
     casts_weights = False  # True: swaps every parameter's .data for a cast copy while evaluating
 
     def __call__(self, model, batches, objective, precision, engine) -> float:
-        return scored(evaluate(model, batches, objective, precision, engine), objective)
+        return scored(evaluate(model, batches, objective, precision, engine), objective, engine)
 
 
 class HalfWeights(Evaluation):
@@ -78,7 +99,7 @@ class HalfWeights(Evaluation):
 
     def __call__(self, model, batches, objective, precision, engine) -> float:
         with cast_weights(model, self.dtype):
-            return scored(evaluate(model, batches, objective, Precision(), engine), objective)
+            return scored(evaluate(model, batches, objective, Precision(), engine), objective, engine)
 
 
 @contextmanager

@@ -89,10 +89,15 @@ class SequenceCrossEntropy(TokenCrossEntropy):
             self.seen = self.seen + counted.sum()
         return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
 
-    def eval_metrics(self) -> dict:
-        """Accuracy over the sequences evaluated since the last call (then reset)."""
+    def eval_metrics(self, reduce=None) -> dict:
+        """Accuracy over the sequences evaluated since the last call (then reset); ``reduce``
+        adds a tensor up across ranks (each evaluated its share of the held-out set)."""
         correct, seen, self.correct, self.seen = self.correct, self.seen, 0, 0
-        return {"eval_accuracy": float(correct) / max(float(seen), 1.0)}
+        counts = torch.tensor([float(correct), float(seen)], dtype=torch.float64)
+        if reduce is not None:
+            counts = reduce(counts)
+        correct, seen = counts.tolist()
+        return {"eval_accuracy": correct / max(seen, 1.0)}
 
 
 class CausalLMLoss(TokenCrossEntropy):

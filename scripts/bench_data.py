@@ -96,7 +96,7 @@ def wait_share(files: list[Path], tok_path: Path, work: Path, steps: int, worker
     run = work / "run"
     env = {**os.environ, "LOOPLIB_CACHE": str(work / "cache"), "PYTHONWARNINGS": "ignore"}  # tokenised above
     cmd = [sys.executable, "-m", "looplib.train", "data=text", f"data.path={files[0].parent}",
-           f"data.tokenizer={tok_path}", f"max_steps={steps}", "log_every=5", "eval_every=0", "eval_batches=1",
+           f"data.tokenizer={tok_path}", f"max_steps={steps}", "log_every=5", "eval_every=0", "eval_samples=4",
            "sample_tokens=0", "checkpoint.enabled=false", f"loader.num_workers={workers}",
            "loader.persistent_workers=true", f"hydra.run.dir={run}"]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=work)

@@ -66,7 +66,7 @@ def run(name: str, steps: int, device: str, out: Path, cap_gib: float | None, sm
     job = SMALL if small else job
     run_dir = out / "runs" / name
     args = [*job, *overrides, f"max_steps={steps}", f"device={device}", "log_every=1", "eval_every=0",
-            "eval_batches=0", "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
+            "eval_samples=0", "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     if cap_gib and device != "cpu":
         import torch
         fraction = cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory

@@ -48,7 +48,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, device:
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     module = [*launcher, "-m", "looplib.train"] if launcher else ["-m", "looplib.train"]
     args = [sys.executable, *module, *job, *overrides, f"max_steps={steps}", f"device={device}",
-            "log_every=1", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",
+            "log_every=1", "eval_every=0", "eval_samples=0", "sample_tokens=0", "progress=lines",
             "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

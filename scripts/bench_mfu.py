@@ -109,7 +109,7 @@ def run_row(name: str, overrides: list[str], job: list[str], steps: int, warmup:
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own row: a new measurement replaces it
     args = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={warmup + steps}",
-            f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_batches=0",
+            f"device={device}", f"peak_tflops={peak_tflops}", "log_every=1", "eval_every=0", "eval_samples=0",
             "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     done = subprocess.run(args, check=False, capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})

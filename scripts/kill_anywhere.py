@@ -22,7 +22,7 @@ from pathlib import Path
 
 ARGS = ["data=random", "data.n_train=128", "model.seq_len=32", "model.n_layer=4", "model.d_model=128",
         "batch_size=4", "accum_steps=2", "max_steps=16", "checkpoint.every_steps=1", "checkpoint.keep=2",
-        "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0", "progress=lines"]
+        "log_every=1", "eval_every=0", "eval_samples=4", "sample_tokens=0", "progress=lines"]
 
 
 def train(run_dir: Path, *extra: str) -> subprocess.Popen:

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from looplib.run.training import train
 
     total = args.warmup + args.steps
-    fixed = [f"max_steps={total}", f"log_every={total}", "eval_every=0", "eval_batches=0", "sample_tokens=0",
+    fixed = [f"max_steps={total}", f"log_every={total}", "eval_every=0", "eval_samples=0", "sample_tokens=0",
              "checkpoint.enabled=false", "progress=lines"]
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*args.overrides, *fixed])

@@ -19,7 +19,7 @@ from looplib.run.signals import Signals
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=16", "data.vocab_size=64", "model.n_layer=1",
        "model.d_model=32", "model.n_head=2", "model.seq_len=16", "batch_size=2", "accum_steps=2", "max_steps=4",
-       "log_every=1", "eval_every=2", "eval_batches=2", "sample_tokens=0", "checkpoint.every_steps=2",
+       "log_every=1", "eval_every=2", "eval_samples=8", "sample_tokens=0", "checkpoint.every_steps=2",
        "+schedule=cosine", "schedule.warmup_steps=2", "device=cpu", "progress=lines"]
 
 
@@ -49,7 +49,7 @@ def through_python(engine: str, run_dir: Path):
                          objective=parts["loss"], precision=parts["precision"], optim=parts["optim"],
                          schedule=parts["schedule"], engine=parts["engine"], peft=parts["peft"],
                          compile=parts["compile"], evaluation=parts["evaluation"],
-                         checkpointing=parts["checkpointing"], eval_every=s.eval_every, eval_batches=s.eval_batches,
+                         checkpointing=parts["checkpointing"], eval_every=s.eval_every, eval_samples=s.eval_samples,
                          max_grad_norm=s.max_grad_norm, device=s.device, seed=s.seed, run_dir=run_dir,
                          checkpoint_every=s.checkpoint.every_steps if s.checkpoint.enabled else None, log_every=s.log_every, progress="lines")
     return parts["engine"], result.model

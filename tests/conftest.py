@@ -72,7 +72,7 @@ def tiny_pretrained(tmp_path_factory) -> Path:
 
 
 TRACKED_SWEEP = ["-m", "+optim=adamw,sgd", "+logger=[tensorboard,mlflow,wandb]", "data=random", "batch_size=2",
-                 "model.n_layer=1", "log_every=1", "max_steps=4", "eval_every=2", "eval_batches=1", "sample_tokens=0"]
+                 "model.n_layer=1", "log_every=1", "max_steps=4", "eval_every=2", "eval_samples=4", "sample_tokens=0"]
 
 
 @pytest.fixture(scope="session")

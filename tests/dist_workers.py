@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from conftest import random_tokens, tiny_gpt
 from looplib.accumulation import Accumulation
-from looplib.data import Epochs, build_loader
+from looplib.data import Epochs, build_loader, held_out
 from looplib.engines import DDP, Engine
 from looplib.engines.launch import free_port
 from looplib.loop import TrainState, fit
@@ -109,10 +109,18 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
     scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
     _, telemetry = train(engine, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(engine.rank, world)), STEPS)
+    eval_loss = held_out_loss(model, engine, world)
     if engine.is_main:
         torch.save({"losses": telemetry.losses, "allreduces": calls[0], "steps": telemetry.optimizer_steps,
-                    "weights": engine.unwrap(model).state_dict()}, Path(out) / "ddp.pt")
+                    "weights": engine.unwrap(model).state_dict(), "eval_loss": eval_loss}, Path(out) / "ddp.pt")
     engine.close()
+
+
+def held_out_loss(model, engine: Engine, world: int = 1, batch_size: int = 4) -> float:
+    """The held-out loss of ``model`` over 15 of 21 masked sequences: each rank its share, padded."""
+    from looplib.evaluation import evaluate
+    batches = held_out(Masked(random_tokens(21, seed=3)), 15, batch_size=batch_size, rank=engine.rank, world=world)
+    return evaluate(model, batches, TokenCrossEntropy(), FP32(), engine)
 
 
 # ------------------------------------------------------------------------------ DeepSpeed

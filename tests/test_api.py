@@ -37,7 +37,7 @@ def test_train_model_equals_fit_with_hand_built_pieces():
 def test_train_model_evaluates_and_writes_metrics(tmp_path):
     data = random_tokens(n=16)
     result = train_model(tiny_gpt(), data, max_steps=4, batch_size=4, optim=SGD(lr=0.5), eval_dataset=data,
-                         eval_every=2, eval_batches=2, evaluation=HalfWeights("bfloat16"), metrics=tmp_path / "m.jsonl",
+                         eval_every=2, eval_samples=8, evaluation=HalfWeights("bfloat16"), metrics=tmp_path / "m.jsonl",
                          log_every=1, device="cpu")
     rows = (tmp_path / "m.jsonl").read_text().splitlines()
     assert sum('"eval_loss"' in r for r in rows) == 2 and sum('"loss"' in r for r in rows) == 4

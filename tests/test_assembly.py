@@ -82,7 +82,7 @@ class SignalAt(Logger):
 def job(**kwargs):
     torch.manual_seed(0)
     return dict(model=tiny_gpt(), dataset=RandomCorpus(seq_len=16, vocab_size=64, n_train=48, n_eval=8),
-                max_steps=6, batch_size=4, accum_steps=2, optim=AdamW(lr=1e-2), eval_every=3, eval_batches=1,
+                max_steps=6, batch_size=4, accum_steps=2, optim=AdamW(lr=1e-2), eval_every=3, eval_samples=4,
                 log_every=1, device="cpu", progress="lines", **kwargs)
 
 

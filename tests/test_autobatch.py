@@ -14,7 +14,7 @@ from looplib.cli.main import build_job
 from conftest import REPO, run_cli
 
 FAKE = ["model._target_=fake_oom.GPTThatOOMs", "data=random", "model.seq_len=32", "model.n_layer=2"]
-QUICK = ["max_steps=2", "log_every=1", "eval_batches=1", "sample_tokens=0"]
+QUICK = ["max_steps=2", "log_every=1", "eval_samples=4", "sample_tokens=0"]
 ENV = {"PYTHONPATH": str(REPO / "tests")}
 
 

@@ -155,7 +155,7 @@ def test_cli_errors(args, message, tmp_path, token_cache):
 
 
 def test_cli_trains_with_checkpointing(tmp_path, token_cache):
-    out = run_cli("+checkpointing=blocks", "data=random", "max_steps=2", "eval_batches=1", "sample_tokens=0",
+    out = run_cli("+checkpointing=blocks", "data=random", "max_steps=2", "eval_samples=4", "sample_tokens=0",
                   "batch_size=4", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, env={"LOOPLIB_CACHE": token_cache})
     assert out.returncode == 0, out.stderr
     assert "activation checkpointing: 4 of GPT's submodules (blocks.0" in out.stdout + out.stderr

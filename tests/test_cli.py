@@ -6,7 +6,7 @@ import pytest
 
 from conftest import has_bitsandbytes, run_cli
 
-QUICK = ["max_steps=6", "batch_size=4", "log_every=2", "eval_every=3", "eval_batches=2", "sample_tokens=8"]
+QUICK = ["max_steps=6", "batch_size=4", "log_every=2", "eval_every=3", "eval_samples=8", "sample_tokens=8"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -57,7 +57,7 @@ def test_multirun_four_jobs(tmp_path):
     # -m among the overrides, as people type it after the fact (Hydra's parser alone refuses that)
     # and a key of the swept group set once for every job (Hydra alone wants ++optim.lr there)
     r = run_cli("+precision=fp32,bf16", "-m", f"+optim={optims}", "optim.lr=0.0123", "max_steps=5", "data=random",
-                "batch_size=4", "log_every=5", "eval_batches=1", "sample_tokens=0",
+                "batch_size=4", "log_every=5", "eval_samples=4", "sample_tokens=0",
                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir() and p.name.isdigit())

@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 
 TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
-        "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=0",
+        "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_samples=4", "sample_tokens=0",
         "checkpoint.enabled=false", "progress=lines", "max_steps=2"]
 ENV = {"OMP_NUM_THREADS": "1"}
 

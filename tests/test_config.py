@@ -96,7 +96,7 @@ def test_the_cli_key_set_is_frozen():
     """Tests and users rely on these names: renaming one is a breaking change."""
     cfg = compose_with()
     assert set(cfg) == {"model", "data", "loss", "device", "seed", "max_steps", "batch_size", "accum_steps",
-                        "lr", "weight_decay", "max_grad_norm", "log_every", "eval_every", "eval_batches",
+                        "lr", "weight_decay", "max_grad_norm", "log_every", "eval_every", "eval_samples",
                         "sample_tokens", "progress", "loader", "max_bad_steps", "resume", "checkpoint",
                         "global_batch_size", "peak_tflops", "sweep"}
 

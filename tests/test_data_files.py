@@ -281,7 +281,7 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
     """128 MB of tokens, 4x the 32 MB the process may grow by: a few training steps, every long
     window read once, then short windows all over the file. The resident set (sampled after
     every read) stays within the bound."""
-    from looplib.data.cache import FORMAT
+    from looplib.data.cache import seal
 
     root, n = tmp_path / "big", 64 << 20
     root.mkdir()
@@ -292,8 +292,7 @@ def test_memory_mapped_corpus_trains_with_bounded_memory(tmp_path):
     tokens.flush()
     del tokens
     np.save(root / "offsets.npy", np.array([0, n], dtype=np.int64))
-    (root / "meta.json").write_text(json.dumps({"format": FORMAT, "dtype": "<u2", "tokens": n, "documents": 1,
-                                                 "target": False, "labels": None}))
+    seal(root, "<u2")  # meta.json with the checksums a cache carries
     script = textwrap.dedent(f"""
         import pathlib, resource, numpy as np, torch
         from looplib.data import TokenWindows, build_loader
@@ -457,7 +456,7 @@ def test_every_bad_input_is_one_line_and_leaves_no_cache(tmp_path, tok_file, tok
 def test_cli_text_run_and_bad_path(tmp_path):
     root, _ = text_files(tmp_path, n=20)
     args = ["data=text", f"data.path={root}", "data.vocab_size=300", "model.seq_len=16", "model.n_layer=1",
-            "max_steps=2", "batch_size=4", "sample_tokens=0", "eval_batches=1", "loader.num_workers=1"]
+            "max_steps=2", "batch_size=4", "sample_tokens=0", "eval_samples=4", "loader.num_workers=1"]
     ok = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert ok.returncode == 0, ok.stderr
     assert "eval_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()

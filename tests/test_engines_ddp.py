@@ -30,9 +30,15 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     # (ACCUM=2 micro-batches per step; without no_sync there would be two)
     assert got["steps"] == W.STEPS
     assert got["allreduces"] == W.STEPS
+    # the held-out loss is a property of the weights: 2 ranks (each its share, summed) = 1 process
+    # at batch 4 and at batch 8
+    model = W.tiny_gpt()
+    model.load_state_dict(got["weights"])
+    for batch_size in (4, 8):
+        assert got["eval_loss"] == pytest.approx(W.held_out_loss(model, W.Engine("cpu"), 1, batch_size), abs=1e-6)
 
 
-QUICK = ["data=random", "max_steps=4", "log_every=1", "eval_every=2", "eval_batches=1", "sample_tokens=4",
+QUICK = ["data=random", "max_steps=4", "log_every=1", "eval_every=2", "eval_samples=4", "sample_tokens=4",
          "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "accum_steps=2"]
 
 

@@ -86,7 +86,7 @@ def test_the_config_is_derived_from_looplib_settings():
 
 # ------------------------------------------------------------------ impossible combinations
 
-QUICK = ["data=random", "max_steps=2", "batch_size=2", "eval_batches=1", "sample_tokens=0",
+QUICK = ["data=random", "max_steps=2", "batch_size=2", "eval_samples=4", "sample_tokens=0",
          "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16"]
 
 BAD = [

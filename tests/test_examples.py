@@ -18,7 +18,7 @@ from conftest import REPO, run_cli, tiny_gpt
 EXAMPLE = REPO / "examples" / "my_research"
 CONF = EXAMPLE / "conf"
 ENV = {"PYTHONPATH": str(EXAMPLE)}
-QUICK = ["max_steps=4", "batch_size=4", "log_every=1", "eval_every=2", "eval_batches=2", "sample_tokens=8"]
+QUICK = ["max_steps=4", "batch_size=4", "log_every=1", "eval_every=2", "eval_samples=8", "sample_tokens=8"]
 
 sys.path.insert(0, str(EXAMPLE))
 from my_research import GRULM, BF16FP32Norms, ByteCorpus, LabelSmoothedLM, Lion, LionFactory  # noqa: E402

@@ -44,7 +44,7 @@ def test_core_install_runs_the_default_job(tmp_path, token_cache):
 
     elsewhere, run_dir = tmp_path / "elsewhere", tmp_path / "elsewhere" / "run"
     elsewhere.mkdir()
-    r = subprocess.run([python, "-m", "looplib.train", "max_steps=2", "batch_size=2", "eval_batches=1",
+    r = subprocess.run([python, "-m", "looplib.train", "max_steps=2", "batch_size=2", "eval_samples=4",
                         "sample_tokens=8", "checkpoint.every_steps=1", f"hydra.run.dir={run_dir}"],
                        capture_output=True, text=True, cwd=elsewhere, timeout=600,
                        env={**env, "LOOPLIB_CACHE": token_cache, "OMP_NUM_THREADS": "1"})

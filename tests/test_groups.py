@@ -12,7 +12,7 @@ from looplib import groups, train_model
 from looplib.run.checkpoint_dir import read_config
 
 TINY = ["data=random", "data.n_train=16", "data.n_eval=4", "model.n_layer=1", "model.d_model=16", "model.n_head=2",
-        "model.seq_len=8", "data.seq_len=8", "batch_size=2", "max_steps=1", "eval_every=0", "eval_batches=0",
+        "model.seq_len=8", "data.seq_len=8", "batch_size=2", "max_steps=1", "eval_every=0", "eval_samples=0",
         "sample_tokens=0", "checkpoint.enabled=false", "progress=lines", "device=cpu"]
 
 

@@ -46,7 +46,7 @@ def test_fine_tune_through_the_cli_starts_from_the_weights_and_exports_what_it_t
     # no model.seq_len: the window defaults to the model's 64 positions (conf/model/hf.yaml)
     r = run_cli("model=hf", f"model.path={tiny_pretrained}", "data=random",
                 f"data.vocab_size={VOCAB}", "data.n_train=4", "data.n_eval=4", "max_steps=3", "batch_size=4",
-                "lr=1e-2", "log_every=1", "eval_batches=1", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                "lr=1e-2", "log_every=1", "eval_samples=4", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     positions = json.loads((tiny_pretrained / "config.json").read_text())["max_position_embeddings"]
@@ -224,7 +224,7 @@ def test_zero3_lora_export_gathers_the_shards(tiny_pretrained, tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli("model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
                 f"data.vocab_size={VOCAB}", "+peft=lora", "+engine=deepspeed", "engine.stage=3", "max_steps=2",
-                "batch_size=4", "lr=1e-2", "log_every=1", "eval_batches=1", "sample_tokens=0",
+                "batch_size=4", "lr=1e-2", "log_every=1", "eval_samples=4", "sample_tokens=0",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file

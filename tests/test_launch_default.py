@@ -12,7 +12,7 @@ from conftest import run_cli
 from looplib.engines.launch import free_port
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
-       "eval_batches=1", "sample_tokens=0", "checkpoint.enabled=false", "batch_size=4", "model.n_layer=1",
+       "eval_samples=4", "sample_tokens=0", "checkpoint.enabled=false", "batch_size=4", "model.n_layer=1",
        "model.d_model=32", "model.n_head=2", "model.seq_len=16", "progress=lines"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 

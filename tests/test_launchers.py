@@ -38,7 +38,7 @@ def test_slurm_launcher_config_composes():
 def test_sweep_through_the_submitit_launcher(tmp_path):
     sweep = tmp_path / "sweep"
     r = run_cli("-m", "hydra/launcher=submitit_local", "+engine=ddp", "data=random", "max_steps=2", "batch_size=2",
-                "log_every=1", "eval_batches=1", "sample_tokens=0", "model.n_layer=1", "model.d_model=32",
+                "log_every=1", "eval_samples=4", "sample_tokens=0", "model.n_layer=1", "model.d_model=32",
                 "model.n_head=2", "model.seq_len=16", "lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr + r.stdout
     for job, lr in (("0", 1e-3), ("1", 2e-3)):

@@ -15,7 +15,7 @@ pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 
 ALL = "+logger=[tensorboard,mlflow,wandb]"
-TINY = ["data=random", "batch_size=2", "model.n_layer=1", "log_every=1", "eval_batches=1", "sample_tokens=0"]
+TINY = ["data=random", "batch_size=2", "model.n_layer=1", "log_every=1", "eval_samples=4", "sample_tokens=0"]
 EXACT = ("loss", "lr", "grad_norm", "eval_loss", "epoch")  # what an exact resume reproduces bit for bit
 
 

@@ -55,7 +55,7 @@ def test_lora_trains_only_adapters_and_round_trips(tmp_path):
 def test_lora_through_the_cli(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli("+peft=lora", "peft.r=2", "+evaluation=bf16", "data=random", "max_steps=2", "batch_size=2",
-                "log_every=1", "eval_batches=1", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                "log_every=1", "eval_samples=4", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "LoRA r=2 on attn.qkv,attn.proj,mlp.0,mlp.2" in r.stderr + (run_dir / "train.log").read_text()
     evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]

@@ -30,7 +30,7 @@ def test_plain_install_finds_the_packaged_config(tmp_path):
     assert found.stdout.startswith(f"['{target}/hydra_plugins/looplib_optuna/"), found.stdout + found.stderr
     run_dir = elsewhere / "run"
     r = subprocess.run([sys.executable, "-m", "looplib.train", "+precision=bf16", "data=random",
-                        "max_steps=2", "batch_size=2", "eval_batches=1", "sample_tokens=0",
+                        "max_steps=2", "batch_size=2", "eval_samples=4", "sample_tokens=0",
                         f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=elsewhere, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2

@@ -120,7 +120,7 @@ def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path, capsys
     run_dir = tmp_path / "run"
     job = ["model=hf", f"model.path={tiny_pretrained}", "model.seq_len=32", "+peft=qlora", "data=instruct",
            f"data.path={chat_records(tmp_path / 'chat.jsonl')}"]
-    r = run_cli(*job, "max_steps=8", "batch_size=4", "lr=3e-2", "log_every=1", "eval_batches=0", "sample_tokens=6",
+    r = run_cli(*job, "max_steps=8", "batch_size=4", "lr=3e-2", "log_every=1", "eval_samples=0", "sample_tokens=6",
                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     trace = losses(run_dir / "metrics.jsonl")

@@ -10,7 +10,7 @@ from conftest import run_cli
 def test_report_of_a_real_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     r = run_cli("-m", "+optim=adamw,sgd", "+precision=fp32,bf16", "data=random", "max_steps=3", "batch_size=2",
-                "model.n_layer=1", "log_every=1", "eval_batches=1", "sample_tokens=0",
+                "model.n_layer=1", "log_every=1", "eval_samples=4", "sample_tokens=0",
                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     (sweep / "3" / "metrics.jsonl").unlink()  # a job that died before writing metrics

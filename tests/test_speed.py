@@ -178,7 +178,7 @@ def test_fp8_conversion_skips_the_head_and_unaligned_layers():
 def test_chunked_loss_and_padded_vocab_through_the_cli(tmp_path, token_cache):
     """One run with both options: it trains, the padded rows are saved, compile_s is absent (eager)."""
     args = ["data=random", "data.vocab_size=100", "model.n_layer=1", "model.d_model=32", "model.seq_len=16",
-            "batch_size=4", "max_steps=3", "log_every=1", "eval_every=0", "eval_batches=1", "sample_tokens=4",
+            "batch_size=4", "max_steps=3", "log_every=1", "eval_every=0", "eval_samples=4", "sample_tokens=4",
             "loss=lm_chunked", "loss.chunk_size=20", "model.pad_vocab_to=64", "checkpoint.enabled=false"]
     r = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"LOOPLIB_CACHE": token_cache})
     assert r.returncode == 0, r.stderr

@@ -15,7 +15,7 @@ from conftest import run_cli
 optuna = pytest.importorskip("optuna", reason="optuna is not installed (pip install 'looplib[optuna]')")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-QUICK = ["model=tiny", "data=random", "batch_size=2", "max_steps=2", "eval_every=1", "eval_batches=1",
+QUICK = ["model=tiny", "data=random", "batch_size=2", "max_steps=2", "eval_every=1", "eval_samples=4",
          "log_every=1", "sample_tokens=0", "checkpoint.enabled=false"]
 TPE = ["-m", "hydra/sweeper=optuna", "lr=tag(log, interval(1e-4, 1e-2))", "+precision=choice(fp32,bf16)",
        "hydra.sweeper.sampler.seed=0", "hydra.sweeper.pruner=none", *QUICK]

@@ -137,7 +137,7 @@ def test_peak_flops():
 
 def test_cli_rows_have_mfu_with_a_given_peak(tmp_path):
     from conftest import run_cli
-    out = run_cli("data=random", "max_steps=2", "batch_size=4", "log_every=1", "eval_batches=0", "sample_tokens=0",
+    out = run_cli("data=random", "max_steps=2", "batch_size=4", "log_every=1", "eval_samples=0", "sample_tokens=0",
                   "peak_tflops=0.5", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

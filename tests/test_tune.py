@@ -55,7 +55,7 @@ def test_the_chosen_command_trains_with_the_global_batch_as_its_row_said(searche
     best = result["best"]
     row = next(x for x in result["rows"] if x["candidate"] == best["candidate"])
     argv = best["command"].split()[3:]  # python -m looplib.train ...
-    r = run_cli(*argv, "max_steps=6", "log_every=2", "eval_batches=0", "sample_tokens=0", "checkpoint.enabled=false",
+    r = run_cli(*argv, "max_steps=6", "log_every=2", "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false",
                 f"hydra.run.dir={root / 'chosen'}", cwd=root, env=ENV)
     assert r.returncode == 0, r.stderr
     config = (root / "chosen" / "config.yaml").read_text()

@@ -20,7 +20,7 @@ from .. import groups
 from ..engines.launch import launched_rank, launched_world
 from ..errors import ConfigError, RunEnded, disk_full
 from ..loggers import Logger, Loggers
-from ..run.settings import Settings, settings_from
+from ..run.settings import Settings, refuse_renamed, settings_from
 from ..schema import check_options, cli, parameters, refuse_unknown
 from .resolvers import register_resolvers
 
@@ -48,6 +48,7 @@ def check_settings(cfg: DictConfig) -> Settings:
     config group, and every setting has its type and range."""
     groups, names = group_names(cfg), [f.name for f in fields(Settings)]
     top = {k: v for k, v in resolved(cfg, None).items() if k not in groups and k != "hydra"}
+    refuse_renamed(top)  # eval_batches=2: "now eval_samples", not "did you mean ..."
     for key in top:
         if key not in names:
             owners = [g for g in sorted(groups) if isinstance(cfg.get(g), DictConfig) and key in cfg[g]]

@@ -8,19 +8,20 @@ One module per concern:
 - ``packing``: next-token labels, windows, examples, packing, padding (collate)
 - the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
   ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``)
-- ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader
+- ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader, the held-out set
+- ``identity``: what a run was trained on (``Corpus.fingerprint``), compared on resume
 """
 from .corpus import Corpus
 from .files import FileCorpus, TextCorpus
 from .pysource import PythonSource, python_files
 from .records import ClassificationCorpus, InstructCorpus
 from .synthetic import RandomCorpus, RandomTokens
-from .loading import EpochSampler, Epochs, build_loader
+from .loading import EpochSampler, Epochs, HeldOut, build_loader, held_out
 from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
 
 
-__all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "IGNORE",
+__all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "HeldOut", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
-           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader",
+           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "held_out",
            "next_token_example",
            "python_files"]

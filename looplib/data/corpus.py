@@ -46,5 +46,12 @@ class Corpus:
         template, opening the assistant's turn, for a model trained on chat records; as it is otherwise."""
         return text
 
+    def fingerprint(self) -> dict | None:
+        """What identifies these data, kept in every checkpoint and compared on resume (a change
+        is refused: ``looplib.data.identity``): ``{"train": ..., "eval": ..., "tokenizer": ...}``,
+        each a digest string or ``{"digest": ..., "files": {path: digest}}``. None (plain
+        datasets, random tokens): nothing to compare beyond the config."""
+        return None
+
     def save(self, run_dir: Path) -> None:
         """Write what a run directory needs to read the model's outputs back (labels.json)."""

@@ -12,9 +12,10 @@ import torch
 from ..errors import ConfigError
 from ..schema import Positive, Range, Seed
 from .cache import Tokenised, build as build_cache, cache_key, progress
+from . import identity
 from .corpus import Corpus
 from .packing import PadCollate, TokenWindows
-from .readers import content_digest, is_records, records, resolve_files, text_field, text_pieces
+from .readers import content_digest, file_digests, is_records, records, resolve_files, text_field, text_pieces
 from .tokenizer import TokenizerInfo, load_tokenizer, train_tokenizer
 
 
@@ -42,13 +43,18 @@ class FileCorpus(Corpus):
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
         self.check_files(files, "data.path")
         self.check_files(eval_files, "data.eval_path")
-        self.info = self.tokenizer_for(tokenizer, vocab_size, files)
+        digests, eval_digests = file_digests(files), file_digests(eval_files)
+        train_part = identity.part(files, digests)
+        self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
+            "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)}}
+        identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
+        self.info = self.tokenizer_for(tokenizer, vocab_size, files, digests)
         self.tokenizer, self.tokenizer_source = self.info.tokenizer, self.info.source
         self.eos_id, self.pad_id = self.info.eos_id, self.info.pad_id
         self.vocab_size = max(vocab_size, self.info.vocab_size)
-        data = self.tokenise(files, "data.path")
+        data = self.tokenise(files, "data.path", digests)
         if eval_files:
-            held = self.tokenise(eval_files, "data.eval_path")
+            held = self.tokenise(eval_files, "data.eval_path", eval_digests)
             self.train_docs, self.eval_docs = np.arange(len(data)), np.arange(len(held))
             self.build(data, self.train_docs, held, self.eval_docs, "data.eval_path")
         else:  # the documents of each split (indices into the tokenised files)
@@ -61,11 +67,24 @@ class FileCorpus(Corpus):
     def check_files(self, files: list[Path], key: str) -> None:
         """Plain text and records both work for text data (subclasses need records)."""
 
-    def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path]) -> TokenizerInfo:
+    def fingerprint(self) -> dict | None:
+        return getattr(self, "identity", None)  # (None: data=classification without files is random data)
+
+    def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path], digests: list[str]) -> TokenizerInfo:
         if spec is None:
-            key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files))
-            return train_tokenizer(lambda: self.texts(files), vocab_size, key)
+            key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files, digests))
+            info = train_tokenizer(lambda: self.texts(files), vocab_size, key)
+            self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
+            return info
         info = load_tokenizer(str(spec))
+        path = Path(str(spec)).expanduser().resolve()
+        folder = path if path.is_dir() else path.parent  # (its tokenizer_config.json is read too)
+        files = [f for f in (path if path.is_file() else folder / "tokenizer.json", folder / "tokenizer_config.json",
+                             folder / "chat_template.jinja") if f.is_file()]
+        # the tokenisation itself (not the files' bytes): the vocabulary and merges, the specials, the chat template
+        self.identity["tokenizer"] = {**identity.part(files, file_digests(files)), "digest": identity.digest_over(
+            info.digest, info.eos_id, info.pad_id, info.prefix, info.suffix, info.chat_template)}
+        identity.check({"tokenizer": self.identity["tokenizer"]})  # before anything is tokenised with it
         if vocab_size != info.vocab_size:
             raise ConfigError("data.vocab_size", f"data.vocab_size={vocab_size} but the tokenizer at {spec} has "
                               f"{info.vocab_size} tokens", "leave data.vocab_size out: it follows data.tokenizer")
@@ -82,8 +101,8 @@ class FileCorpus(Corpus):
         for segments, *_ in self.units(files, "data.path"):
             yield "".join(text for text, _ in segments)
 
-    def tokenise(self, files: list[Path], key: str) -> Tokenised:
-        digest = cache_key(self.reader_settings(), content_digest(files), self.info.digest, self.info.prefix,
+    def tokenise(self, files: list[Path], key: str, digests: list[str]) -> Tokenised:
+        digest = cache_key(self.reader_settings(), content_digest(files, digests), self.info.digest, self.info.prefix,
                            self.info.suffix, self.info.eos_id, self.info.chat_template)
         total = sum(f.stat().st_size for f in files)
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import ConfigError
+from .packing import IGNORE
 
 
 class EpochSampler(Sampler[int]):
@@ -133,6 +134,47 @@ def build_loader(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool 
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=bool(pin_memory), drop_last=drop_last, generator=generator,
                       collate_fn=collate_fn, **extra)
+
+
+class HeldOut(Dataset):
+    """One rank's share of the held-out set: ``dataset[i]`` for each ``i`` of ``indices``; ``-1``
+    is padding, a copy of a real sample whose labels are all ``IGNORE`` (no loss, not counted),
+    so that every rank runs as many batches as the others (a sharded model's forward is collective)."""
+
+    def __init__(self, dataset: Dataset, indices: list[int], pad_from: int):
+        self.dataset, self.indices, self.pad_from = dataset, indices, pad_from
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, j):
+        i = self.indices[j]
+        if i >= 0:
+            return self.dataset[i]
+        sample = self.dataset[self.pad_from]
+        if not isinstance(sample, dict) or "labels" not in sample:
+            raise ConfigError("eval_samples", "the held-out samples have no labels to mask, so they cannot be split "
+                              "evenly over the processes", "use eval_samples=N with N a multiple of the process count")
+        return {**sample, "labels": torch.full_like(torch.as_tensor(sample["labels"]), IGNORE)}
+
+
+def held_out(dataset: Dataset | None, samples: int | None, *, batch_size: int, rank: int = 0, world: int = 1,
+             collate_fn: Callable | None = None, device: torch.device | None = None) -> list:
+    """The batches of this rank's share of the fixed held-out set: ``samples`` sequences (None:
+    all) spread evenly over ``dataset`` (the same ones whatever the batch size or the number of
+    processes), every ``world``-th of them for rank ``rank``, padded so that every rank has as
+    many (``HeldOut``). ``evaluate`` adds the ranks' sums up: the loss is that of the whole set."""
+    n = len(dataset) if dataset is not None else 0
+    k = n if samples is None else min(n, samples)
+    if k == 0:
+        return []
+    chosen = [i * n // k for i in range(k)]  # evenly spread, distinct (n >= k)
+    share = chosen[rank::world]
+    share += [-1] * (-(-k // world) - len(share))
+    pin = device is not None and torch.device(device).type == "cuda"
+    return list(DataLoader(HeldOut(dataset, share, chosen[0]), batch_size=batch_size, shuffle=False,
+                           collate_fn=collate_fn, pin_memory=pin,
+                           generator=torch.Generator()))  # (its own: iterating draws no number from the global RNG)
 
 
 def small_data(n_train: int | None, batch_size: int, accum_steps: int, world: int = 1) -> int:

@@ -53,13 +53,22 @@ def is_records(path: Path) -> bool:
     return path.suffix.lower() in RECORDS
 
 
-def content_digest(files: list[Path]) -> str:
-    """One hash of every file's bytes, in order (the cache key: edit a file, and it re-tokenises)."""
-    h = hashlib.sha256()
+def file_digests(files: list[Path]) -> list[str]:
+    """The sha256 of each file's bytes (hex)."""
+    out = []
     for f in files:
         with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest() if hasattr(hashlib, "file_digest")
-                     else hashlib.sha256(fh.read()).digest())
+            out.append(hashlib.file_digest(fh, "sha256").hexdigest() if hasattr(hashlib, "file_digest")
+                       else hashlib.sha256(fh.read()).hexdigest())
+    return out
+
+
+def content_digest(files: list[Path], digests: list[str] | None = None) -> str:
+    """One hash of every file's bytes, in order (the cache key: edit a file, and it re-tokenises);
+    ``digests``: the files' ``file_digests``, when already known."""
+    h = hashlib.sha256()
+    for d in digests if digests is not None else file_digests(files):
+        h.update(bytes.fromhex(d))
     return h.hexdigest()
 
 

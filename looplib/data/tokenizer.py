@@ -8,7 +8,6 @@ with the directory's chat template.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from typing import Callable, Iterable
 
 from ..atomic import make_dir_beside
 from ..errors import ConfigError, need
+from .identity import tokenizer_digest, trained_tokenizer
 
 log = logging.getLogger("looplib")
 
@@ -49,8 +49,8 @@ class TokenizerInfo:
 
     @property
     def digest(self) -> str:
-        """Identifies the tokenisation (the token cache's key)."""
-        return hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()[:16]
+        """Identifies the tokenisation (the token cache's key, the run's identity)."""
+        return tokenizer_digest(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """A prompt's ids as the model saw texts start in training (with the BOS, if any)."""
@@ -147,13 +147,18 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
                     root: Path | None = None) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
     cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
-    temporary directory, then renamed). A cached file that does not load is trained again."""
+    temporary directory, then renamed). A cached file that does not load is trained again,
+    except under a resume: then the run's own tokenizer is used or the resume refused
+    (``identity.trained_tokenizer``)."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
     target = (root or cache_root()) / f"tokenizer-{key}"
+    resumed = trained_tokenizer(target, vocab_size)  # a resume: the run's own, never a new one
+    if resumed is not None:
+        return TokenizerInfo(resumed, source=None, eos_id=resumed.token_to_id(EOT), pad_id=resumed.token_to_id(EOT))
     if (target / "tokenizer.json").is_file():
         try:
             tok = Tokenizer.from_file(str(target / "tokenizer.json"))

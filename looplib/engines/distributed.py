@@ -35,6 +35,9 @@ class Distributed(Engine):
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return launch.mean_over_ranks(value)
 
+    def sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return launch.sum_over_ranks(value.to(self.device))
+
     def shared_run_dir(self, run_dir: Path) -> Path:
         return Path(launch.broadcast_object(str(run_dir)))
 

@@ -201,6 +201,14 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value / world
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    if dist.get_world_size() == 1:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

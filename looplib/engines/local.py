@@ -90,6 +90,11 @@ class Engine:
         """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
         return value
 
+    def sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of a tensor over ranks, on this engine's device (held-out losses and counts; one
+        rank: itself)."""
+        return value.to(self.device)
+
     def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The user module's whole state dict (keys as ``unwrap(model).state_dict()``'s; tied
         weights share a tensor). Collective: every rank calls it (sharding engines gather)."""

@@ -50,7 +50,7 @@ from ..schedule import Schedule
 from .assembly import Parts, Record, Trained
 from .lifecycle import execute
 from .rundir import check as check_run_dir
-from .settings import Settings, settings_from
+from .settings import Settings, refuse_renamed, settings_from
 from .signals import Signals
 
 log = logging.getLogger("looplib")
@@ -72,7 +72,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
                 peft: FullModel | None = None, compile: Compile | None = None,
                 evaluation: Evaluation | None = None, checkpointing: Checkpointing | None = None,
                 engine: Engine | None = None, logger: Logger | None = None,
-                eval_dataset: Dataset | None = None, eval_every: int = 0, eval_batches: int = 8,
+                eval_dataset: Dataset | None = None, eval_every: int = 0, eval_samples: int | None = 512,
                 max_grad_norm: float | None = 1.0, device: str = "auto", seed: int = 0,
                 run_dir: str | Path | None = None, checkpoint_every: int | None = 100, keep: int = 2,
                 resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
@@ -90,12 +90,13 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     (a group of your own), by their argument name. Returns ``Trained`` (model, optimizer,
     scheduler, state, eval_loss, run_dir, last_row); raises ``looplib.RunEnded`` otherwise."""
     speak()
+    refuse_renamed({**more, "batch_size": batch_size})  # eval_batches=: now eval_samples
     given = dict(objective=objective, precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
                  evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger, **more)
     settings = settings_from(dict(
         device=device, seed=seed, max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps,
         global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,
-        eval_batches=eval_batches, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
+        eval_samples=eval_samples, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
         resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
         loader=dict(loader or {}),
         checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))

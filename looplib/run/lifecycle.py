@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..engines.launch import launched_rank, lost_rank_line
+from ..data.identity import expecting
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError,
                       disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
+from .resume import expected_identity
 from .rundir import forget, results
 from .settings import Settings
 from .signals import Signals
@@ -41,7 +43,8 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
     try:
         try:
             parts, settings, record = make()
-            job = assemble(parts, settings, record)
+            with expecting(expected_identity(settings.resume, run_dir)):  # data changed under a resume: refused early
+                job = assemble(parts, settings, record)
             if run_dir is not None:
                 shared = job.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
                 if shared != run_dir:

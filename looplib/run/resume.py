@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_atomic
+from ..data import identity
 from ..errors import ConfigError, NothingToDo
 from ..train_state import TrainState
-from .checkpoint_dir import InvalidCheckpoint, find_checkpoint, inspect_checkpoint, set_rng_state, unwrap
+from .checkpoint_dir import InvalidCheckpoint, find_checkpoint, inspect_checkpoint, set_rng_state, step_dirs, unwrap
 from .saving import Checkpoints
 
 log = logging.getLogger("looplib")
 
 # Keys whose change does not alter the training trajectory: accepted on resume, and reported.
-SAFE_TO_CHANGE = ("max_steps", "log_every", "eval_every", "eval_batches", "sample_tokens", "progress",
+SAFE_TO_CHANGE = ("max_steps", "log_every", "eval_every", "eval_samples", "eval_batches", "sample_tokens", "progress",
                   "resume", "checkpoint", "max_bad_steps", "loader.num_workers", "loader.pin_memory",
                   "loader.persistent_workers", "loader.prefetch_factor", "hydra")
 
@@ -61,7 +62,27 @@ def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[
     if not checkpoints.config:  # no config known: nothing to compare
         return []
     now = json.loads(json.dumps(checkpoints.config))  # a copy the engine may edit
-    return checkpoints.engine.resume_config(saved, now, path) + check_resume_config(saved, now)
+    accepted = checkpoints.engine.resume_config(saved, now, path) + check_resume_config(saved, now)
+    identity.refuse(identity.read(path), checkpoints.identity, path)  # the same data and tokenizer, or none
+    return accepted
+
+
+def expected_identity(where: str | None, run_dir: Path | None) -> identity.Expected | None:
+    """The data fingerprint of the checkpoint a resume will take (the newest complete one at
+    ``where``; read before the data are built, so that a run on changed data is refused before it
+    tokenises them). Cheap: no checksum is verified here; ``find`` checks the one it loads."""
+    if not where or run_dir is None:
+        return None
+    at = Path(run_dir) if where == "auto" else Path(where)
+    if (at / "manifest.json").exists() or at.name.startswith("step-"):
+        candidates = [at]
+    else:
+        candidates = step_dirs(at / "checkpoints" if (at / "checkpoints").is_dir() else at)
+    for path in candidates:
+        if (path / "manifest.json").is_file():
+            found = identity.read(path)
+            return identity.Expected(found, path) if found else None
+    return None
 
 
 def find(checkpoints: Checkpoints, where: Path, found: dict | None = None) -> Path | None:

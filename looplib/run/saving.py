@@ -45,6 +45,8 @@ class Checkpoints:
         self.engine: Engine = engine if engine is not None else Engine("cpu")
         self.preemption: Signals | None = None
         self.parts: dict = {}
+        self.identity: dict | None = None   # the data's fingerprint (Corpus.fingerprint): compared on resume
+        self.files: dict[str, bytes] = {}   # carried by every checkpoint (the tokenizer trained on the data)
         self.last_saved_step = -1
         self.save_seconds: list[float] = []
 
@@ -157,10 +159,14 @@ class Checkpoints:
                 torch.save(blob, f)
                 f.flush()
                 os.fsync(f.fileno())
+        for name, data in self.files.items():
+            write_file(tmp / name, data)
         text = config_text(self.config or {})
         write_file(tmp / "config.yaml", text.encode())
         meta = {**position, "config_hash": config_hash(text), "torch": torch.__version__,
                 "time": time.time(), "needs": needs}  # every file a resume reads: the manifest must list them
+        if self.identity is not None:
+            meta["identity"] = self.identity  # what the run was trained on (looplib.data.identity)
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}

@@ -71,7 +71,8 @@ class Settings:
     max_grad_norm: NonNegative[float] | None = field(default=1.0, metadata={"fix": "use e.g. max_grad_norm=1.0 (0 or null: off)"})
     log_every: Positive[int] = field(default=10, metadata={"fix": "use e.g. log_every=10"})
     eval_every: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. eval_every=100 (0: only at the end)"})
-    eval_batches: NonNegative[int] = field(default=8, metadata={"fix": "use e.g. eval_batches=8"})
+    eval_samples: NonNegative[int] | None = field(default=512, metadata={
+        "fix": "use the held-out sequences per evaluation, e.g. eval_samples=512 (0: none, null: the whole held-out split)"})
     sample_tokens: NonNegative[int] = field(default=160, metadata={"fix": "use e.g. sample_tokens=100 (0: no sample)"})
     max_bad_steps: NonNegative[int] = field(default=25, metadata={"fix": "use e.g. max_bad_steps=25 (0: never stop)"})
     resume: Optional[str] = field(default=None, metadata={"fix": "use resume=auto, resume=PATH or resume=null"})
@@ -83,6 +84,24 @@ class Settings:
     loader: Loader = field(default_factory=Loader)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     sweep: Sweep = field(default_factory=Sweep)
+
+
+# settings that were renamed: (the new key, what it means), refused with the fix naming it
+RENAMED = {"eval_batches": ("eval_samples", "the held-out loss is taken over a fixed set of held-out sequences, the "
+                            "same whatever the batch size, accumulation or process count")}
+
+
+def refuse_renamed(values: dict[str, Any]) -> None:
+    """An old setting (``RENAMED``): one line naming the new key (``eval_batches=2`` with
+    ``batch_size=4`` evaluated 8 sequences: ``eval_samples=8``)."""
+    for old, (new, why) in RENAMED.items():
+        if old not in values:
+            continue
+        value, batch = values[old], values.get("batch_size", Settings.batch_size)
+        same = value * batch if old == "eval_batches" and isinstance(value, int) and isinstance(batch, int) else None
+        raise ConfigError(old, f"{old} is now {new}: {why}",
+                          f"use {new}={same if same is not None else 'N'}" + (f" (the {same} sequences {old}={value} "
+                                                                              f"took at batch_size={batch})" if same is not None else ""))
 
 
 def check_global_batch(s: Settings) -> None:
@@ -104,6 +123,7 @@ def check_global_batch(s: Settings) -> None:
 def settings_from(values: dict[str, Any]) -> Settings:
     """``Settings`` from plain values (the config's top level, or ``train_model``'s arguments),
     each checked against its annotation first: one line naming the key on a bad value."""
+    refuse_renamed(values)
     check_options("", Settings, values)
     hints = typing.get_type_hints(Settings)
     chosen = {f.name: values.get(f.name, default_of(f)) for f in fields(Settings)}

@@ -12,7 +12,7 @@ import torch
 
 from ..accumulation import Accumulation
 from ..atomic import write_atomic
-from ..data import Epochs, build_loader
+from ..data import Epochs, build_loader, held_out as held_out_batches, identity
 from ..data.loading import small_data
 from ..errors import EXIT_INTERRUPTED
 from ..loggers import Run, logged_steps
@@ -44,7 +44,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
     micro_batch = small_data(len(job.data.train) if hasattr(job.data.train, "__len__") else None,
                              s.batch_size, s.accum_steps, engine.world_size)  # warned when the data is smaller
-    eval_batches = held_out(job)
+    eval_set = held_out(job)
     with refused("optim", job.record):
         optimizer = job.optim.build(job.model)
     with refused("schedule", job.record):
@@ -56,6 +56,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                               check_every=s.log_every)
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
+    checkpoints.identity = getattr(job.data, "fingerprint", lambda: None)()  # kept in every checkpoint, compared on resume
+    checkpoints.files = identity.checkpoint_files(job.data, checkpoints.identity)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
         resume(checkpoints, state, s.resume, run_dir, s.max_steps)
@@ -83,7 +85,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
                 precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
-                eval_data=eval_batches or None, eval_every=s.eval_every, evaluator=job.evaluation,
+                eval_data=eval_set or None, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)
             trained.model = job.model
             if state.preempted:
@@ -91,8 +93,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                 report_stop(signals, state, job.record, run_dir, saved=checkpoints.root is not None,
                             main=engine.is_main)
                 return trained
-            if eval_batches and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
-                telemetry.eval(state.step, job.evaluation(job.model, eval_batches, job.objective,
+            if eval_set and not (s.eval_every and state.step % s.eval_every == 0) and state.step > first_step:
+                telemetry.eval(state.step, job.evaluation(job.model, eval_set, job.objective,
                                                           job.precision, engine))
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
             if job.compile.report():  # compile_s: seconds spent compiling (forward and backward)
@@ -114,16 +116,15 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
 
 
 def held_out(job: Job) -> list:
-    """The first ``eval_batches`` batches of the held-out split (the same ones at every evaluation)."""
+    """This rank's batches of the fixed held-out set (``eval_samples`` sequences spread over the
+    held-out split, the same at every evaluation, for any batch size and process count)."""
     s, engine = job.settings, job.engine
-    if not s.eval_batches or job.data.eval is None:
+    if s.eval_samples == 0 or job.data.eval is None:
         return []
-    loader = build_loader(job.data.eval, batch_size=s.batch_size, seed=s.seed, shuffle=False,
-                          device=engine.device, collate_fn=job.data.collate)
-    batches = [b for _, b in zip(range(s.eval_batches), loader)]
+    batches = held_out_batches(job.data.eval, s.eval_samples, batch_size=s.batch_size, rank=engine.rank,
+                               world=engine.world_size, collate_fn=job.data.collate, device=engine.device)
     if not batches:
-        log.warning("the held-out split yields no batch (%d sequences for batch_size=%d): no evaluation",
-                    len(job.data.eval), s.batch_size)
+        log.warning("the held-out split is empty: no evaluation")
     return batches
 
 

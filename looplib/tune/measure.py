@@ -49,7 +49,7 @@ def measure(run_dir: Path, job: list[str], overrides: list[str], steps: int, rep
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     total = (repeats + 1) * steps
     argv = [sys.executable, "-m", "looplib.train", *job, *overrides, f"max_steps={total}", f"log_every={steps}",
-            "checkpoint.enabled=false", "eval_every=0", "eval_batches=0", "sample_tokens=0", "progress=lines",
+            "checkpoint.enabled=false", "eval_every=0", "eval_samples=0", "sample_tokens=0", "progress=lines",
             f"hydra.run.dir={run_dir}" if world is None else f"hydra.run.dir=${{looplib.rank0_dir:{run_dir}}}"]
     env = {**os.environ, "LOOPLIB_PLOT": "0", "LOOPLIB_EXIT_FILE": ""}
     if world is not None:

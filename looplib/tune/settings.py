@@ -22,7 +22,7 @@ from ..schema import Fraction, NonNegative, Positive, check_options, refuse_unkn
 DIMENSIONS = ("batch", *tuned("exact"), "optim_impl", *tuned("numerics"))
 NUMERICS = tuple(tuned("numerics"))  # dimensions that change the numbers: searched with tune.numerics=allow
 # keys each candidate run sets itself (the measurement), not taken from the job
-MEASUREMENT = ("max_steps", "log_every", "eval_every", "eval_batches", "sample_tokens", "progress", "resume",
+MEASUREMENT = ("max_steps", "log_every", "eval_every", "eval_samples", "sample_tokens", "progress", "resume",
                "checkpoint.enabled", "checkpoint.every_steps", "checkpoint.keep")
 
 
