@@ -11,9 +11,9 @@ docs/extending.md. Heavy optional libraries (bitsandbytes, deepspeed, peft, tran
 matplotlib) are imported only when chosen; importing looplib never imports Hydra.
 """
 from .accumulation import Accumulation, Window
-from .peft import GPT_LINEARS, FullModel, LoRA, load_lora
+from .peft import GPT_LINEARS, FullModel, LoRA, QLoRA, load_lora
 from .run.api import Datasets, Trained, train_model
-from .checkpointing import ActivationCheckpointing, Checkpointing
+from .checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import Engine, Local
@@ -38,7 +38,7 @@ __all__ = [
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
     "train_model", "Trained", "Datasets", "RunEnded", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
-    "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "load_lora",
+    "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "QLoRA", "load_lora",
     "GPT_LINEARS",
-    "Checkpointing", "ActivationCheckpointing",
+    "Checkpointing", "ActivationCheckpointing", "SelectiveCheckpointing", "OffloadActivations",
 ]

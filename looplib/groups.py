@@ -78,8 +78,9 @@ GROUPS: list[Group] = [
         "`.train`, `.eval`: map-style datasets of dict samples; `encode(text)`, `decode(ids)`; a `vocab_size` key "
         "that model configs read as `${data.vocab_size}` ([data.md](data.md))")),
     Group("checkpointing", Checkpointing, made(Checkpointing), "none", True, "checkpointing", "checkpointing", "exact",
-          calls="`apply(model) -> model` (activation checkpointing: recompute chosen blocks in backward; not saved "
-                "checkpoints, see [memory.md](memory.md))"),
+          calls="`check(engine, compile)` at assembly; `apply(model) -> model` (activation memory: recompute, keep "
+                "or offload what chosen blocks save for backward; not saved checkpoints, see [memory.md](memory.md)); "
+                "`kind` tells the planner which"),
     Group("compile", Compile, made(Compile), "none", True, "compile", "compile", "exact",
           calls="`wrap(model) -> model`, after the model is on its device"),
     Group("loss", object, made(TokenCrossEntropy), "lm", False, "objective", "objective", "exact", calls=(
@@ -98,8 +99,9 @@ GROUPS: list[Group] = [
         "(weights decay; biases, norms, embeddings and frozen parameters do not)")),
     Group("schedule", Schedule, made(Schedule), "constant", True, "schedule", "schedule",
           calls="`build(optimizer, total_steps)`; override `factor(step, total_steps)` (a multiplier of lr)"),
-    Group("peft", FullModel, made(FullModel), "none", True, "peft", "peft",
-          calls="`wrap(model) -> model` before the model moves to its device; `save(model, run_dir)` at the end"),
+    Group("peft", FullModel, made(FullModel), "none", True, "peft", "peft", "numerics",
+          calls="`check(engine, precision)` at assembly; the model built inside `loading()`; `wrap(model) -> model` "
+                "before the model moves to its device; `save(model, run_dir)` at the end"),
     Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation",
           calls="`__call__(model, batches, objective, precision, engine) -> float` (mean loss per item)"),
     Group("logger", Logger, made(Logger), None, True, "logger", "logger", stage="trackers", calls=(

@@ -176,13 +176,15 @@ class TorchaoAdam8bit(OptimizerFactory):
                                             bf16_stochastic_round=self.bf16_stochastic_round)
 
 
-def import_bitsandbytes():
+def import_bitsandbytes(setting: str = "optim", what: str = "this optimizer", otherwise: str = "choose +optim=adamw"):
+    """bitsandbytes, quiet: its CPU build warns at import (and at its first 4-bit op) about a
+    missing ``kernels`` package; the warning is about code the user does not own."""
     import logging
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-        return need("bitsandbytes", "bnb", "optim", "this optimizer", "choose +optim=adamw")
+        return need("bitsandbytes", "bnb", setting, what, otherwise)
 
 
 def list_optimizers() -> list[str]:

@@ -12,20 +12,26 @@ adapted inside its wrapper, so the adapter's keys are peft's own, and the run wr
 instead: the adapter ``peft.AutoPeftModelFor...`` loads, or with ``merge: true`` the merged
 full weights. This module is the config group ``peft``; inside it ``import peft`` is the
 library (absolute imports), imported only when LoRA is chosen (``pip install 'looplib[peft]'``).
+
+``+peft=qlora`` (``QLoRA``) is LoRA on a frozen base whose linear layers are held in 4 bits
+(NF4, bitsandbytes ``Linear4bit``; ``looplib.quantize``): a transformers model read from
+``model.path`` is quantised while it loads, any other model when it is wrapped.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal
 
+import torch
 from torch import nn
 
 from .engines.local import Engine
 from .errors import ConfigError, need
 from .models.gpt import GPT
+from .precision import Precision
 from .schema import Beta, Positive
 
 log = logging.getLogger("looplib")
@@ -40,6 +46,13 @@ ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Multih
 
 class FullModel:
     """Train and save every parameter: the null object."""
+
+    def check(self, engine, precision) -> None:
+        """Refuse an engine or a precision this adapter cannot train under (build time)."""
+
+    def loading(self):
+        """The context the model is built in (QLoRA: a transformers model loads in 4 bits)."""
+        return nullcontext()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -119,7 +132,8 @@ class LoRA(FullModel):
 
     def save(self, model, run_dir, engine=None, corpus=None):
         """Every rank calls this (ZeRO-3 gathers); the main rank writes ``adapter/`` (peft's
-        format), or for a transformers model ``hf/`` (the adapter, or merged weights with ``merge``)."""
+        format) or with ``merge`` the merged weights as ``model.safetensors`` (4-bit layers
+        dequantised), or for a transformers model ``hf/`` (the adapter, or merged weights)."""
         engine = engine or Engine()
         unwrapped = engine.unwrap(model)
         weights = engine.full_weights(model)
@@ -127,8 +141,72 @@ class LoRA(FullModel):
             return
         if hasattr(unwrapped, "export"):
             unwrapped.export(Path(run_dir), weights, corpus, merge=self.merge)
+        elif self.merge:  # the plain model's keys: what looplib.generate and load_model read
+            from .hf.export import merge_lora
+            from .quantize import dequantized
+            from .engines.local import write_safetensors
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            write_safetensors(merge_lora(unwrapped, dequantized(unwrapped, weights), merge=True),
+                              Path(run_dir) / "model.safetensors")
         else:  # safetensors by default
             unwrapped.save_pretrained(str(Path(run_dir) / "adapter"), state_dict=weights)
+
+
+class QLoRA(LoRA):
+    """LoRA on a frozen base held in 4 bits: every linear layer but the output one becomes a
+    bitsandbytes ``Linear4bit`` (``quant_type`` nf4 or fp4, blocks of 64 weights; with
+    ``double_quant`` the blocks' scales are quantised too: 0.127 bits of scales per weight, not 0.5),
+    computing in the precision strategy's dtype (fp32 without autocast, else bf16 / fp16). A
+    transformers model read from ``model.path`` is quantised while it loads (transformers'
+    ``BitsAndBytesConfig``, one layer at a time, on the run's device); any other model when it
+    is wrapped. Adapters go on every linear layer unless ``target_modules`` says otherwise (the
+    QLoRA paper's choice). The adapter saved loads with peft on the 4-bit base or on the
+    full-precision one; ``merge: true`` writes the dequantised base with the adapter merged.
+    Under a sharding engine (FSDP, DeepSpeed) the 4-bit base cannot go: refused."""
+
+    def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
+                 target_modules: list[str] | tuple[str, ...] | None = None,
+                 bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False,
+                 quant_type: Literal["nf4", "fp4"] = "nf4", double_quant: bool = True):
+        super().__init__(r, alpha, dropout, target_modules, bias, merge)
+        from .optim import import_bitsandbytes
+        self.bnb = import_bitsandbytes("peft", "+peft=qlora", "use +peft=lora")
+        self.quant_type, self.double_quant = quant_type, double_quant
+        self.device, self.compute_dtype = torch.device("cpu"), torch.float32  # check() says where and in what
+
+    def check(self, engine, precision) -> None:
+        if not getattr(engine, "keeps_modules", True):
+            raise ConfigError("peft", f"a 4-bit base cannot be sharded or re-typed by {type(engine).__name__} "
+                              "(bitsandbytes' packed weights and their quantisation constants are not parameters "
+                              "it knows)", "use the local engine or +engine=ddp with +peft=qlora")
+        dtype = precision.dtype or torch.float32
+        converts = type(precision).convert is not Precision.convert  # fp8: its own linear layers
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or converts:
+            raise ConfigError("peft", f"the 4-bit base computes in fp32, bf16 or fp16, not under "
+                              f"+precision={precision.name}", "use +precision=bf16 (or fp32, fp16) with +peft=qlora")
+        self.device, self.compute_dtype = engine.device, dtype
+
+    def loading(self):
+        from .hf.config import loading_in_4bit
+        return loading_in_4bit(self.bnb_options(), self.device)
+
+    def bnb_options(self) -> dict:
+        """transformers' ``BitsAndBytesConfig`` keys for this base."""
+        return dict(load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
+                    bnb_4bit_compute_dtype=self.compute_dtype)
+
+    def targets_for(self, model):
+        if self.target_modules is None and isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+            return ALL_LINEAR  # every linear layer but the output one
+        return super().targets_for(model)
+
+    def wrap(self, model):
+        from .quantize import quantize
+        if getattr(model, "task_type", "CAUSAL_LM") != "CAUSAL_LM":
+            raise ConfigError("peft", f"+peft=qlora quantises causal language models, not a {type(model).__name__}",
+                              "use +peft=lora for a classifier")
+        quantize(model, self.bnb, self.quant_type, self.double_quant, self.compute_dtype, self.device)
+        return super().wrap(model)
 
 
 def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:

@@ -17,7 +17,15 @@
 #   speed_overhead overhead vs the hand-written loop, bf16, 5 pairs, tiny and default models.
 #                  target: <= 1.01x median step, 0 syncs on non-logging steps
 #   speed_profile  torch.profiler traces of one GPT-2 small step, eager and best-known compiled
-#   speed_tests    the GPU tests of issue 15's options (fp8 and CUDA graphs run, chunked loss in bf16) AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
+#   speed_tests    the GPU tests of issue 15's options (fp8 and CUDA graphs run, chunked loss in bf16)
+# and issue 29's (fitting the bigger model; not in the default list, name them):
+#   memory_qlora   a Llama-3-8B-shaped model from its config (random weights), +peft=qlora, sequence 2048,
+#                  batch 1, bf16, block checkpointing, under a 16 GiB cap (set_per_process_memory_fraction)
+#                  target: it fits; the planner's peak within 5% of the allocator's (bench_fit.py)
+#   memory_activations  GPT-2 small, bf16, batch 8: none, blocks, selective, offload (side-stream copies and
+#                  synchronous ones): memory and speed, each beside the planner's figures
+#   memory_tests   the GPU tests of issue 29 (offload on CUDA trains as none does, QLoRA quantises on the device)
+# AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
 # hangs costs only itself. Optional packages missing on the machine (bitsandbytes, deepspeed,
@@ -95,7 +103,12 @@ $py scripts/profile_step.py --out $results/speed_profile/compiled -- model=gpt2_
 data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused model.pad_vocab_to=64 \
 +compile=default compile.loss=true" ;;
     speed_tests) part speed_tests 400 $py -m pytest -q -rs -p no:cacheprovider tests/test_speed.py -k gpu ;;
+    memory_qlora) part memory_qlora 560 $py scripts/bench_fit.py --rows qlora8b --steps 6 --out "$results/memory_qlora" ;;
+    memory_activations) part memory_activations 400 $py scripts/bench_fit.py \
+        --rows none,blocks,selective,offload,offload_sync --steps 20 --out "$results/memory_activations" ;;
+    memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
+        tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
     *) echo "unknown part $p (choose from: $all speed_mfu speed_mfu2 speed_loss speed_guides speed_overhead \
-speed_guides2 speed_profile speed_tests)"; exit 2 ;;
+speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests)"; exit 2 ;;
     esac
 done

@@ -412,3 +412,23 @@ def test_a_model_with_dropout_is_held_to_the_loss_tolerance(dropout, status):
     search.check_numerics(ref)
     search.check_numerics(other)
     assert other.status == status and other.loss_delta == pytest.approx(0.003)
+
+
+def test_selective_checkpointing_and_offload_are_measured_like_blocks(searched):
+    _, _, result = searched
+    assert result["dimensions"]["checkpointing"] == ["none", "blocks", "selective", "offload"]
+    for option in ("selective", "offload"):  # the same math: the reference's loss to tune.tolerance
+        row = next(x for x in result["rows"] if x["candidate"].endswith(f"checkpointing={option}"))
+        assert row["status"] == "measured" and abs(row["loss_delta"]) <= 1e-3, row
+
+
+def test_qlora_is_searched_with_numerics_allowed_and_checked_against_the_jobs_loss(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    r, result = tune(tmp_path, "q", *TINY, "batch_size=4", "tune.search=[peft]", "tune.numerics=allow",
+                     "tune.steps=1", "tune.repeats=1", "tune.fresh=true")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert result["dimensions"] == {"peft": ["none", "qlora"]}
+    row = next(x for x in result["rows"] if x["candidate"] == "peft=qlora")
+    assert row["overrides"] == ["+peft=qlora"] and row["planned_mem_mb"] is not None
+    assert row["status"] in ("measured", "diverged") and row["loss_delta"] is not None  # its loss against the job's

@@ -7,6 +7,10 @@
   the data config (the corpus cache under ``$LOOPLIB_CACHE``).
 
 Without ``--prompt`` the prompt comes from the run's held-out data (``corpus.sample_prompt()``).
+A model trained on chat records (``data=instruct`` with ``messages``) is prompted as it was
+trained: ``--prompt`` becomes a user turn in the tokenizer's chat template, the assistant's turn
+opened, and sampling stops at the end of that turn (``--raw``: the prompt as it is). A QLoRA
+run's adapter is loaded on its base quantised to 4 bits as it trained (bitsandbytes).
 Nothing is downloaded. Bad input: one line, exit status 2.
 """
 from __future__ import annotations
@@ -38,25 +42,77 @@ def run_corpus(run_dir: Path):
     return hydra.utils.instantiate(OmegaConf.load(config).data)
 
 
-def default_prompt(run_dir: Path, prompt: str | None) -> str:
-    if prompt is not None:
-        return prompt
+def run_config(run_dir: Path) -> dict:
+    """The run's saved config (config.yaml), or {} when there is none."""
+    from ..run.checkpoint_dir import read_config
+    try:
+        return read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
+    except Exception:  # noqa: BLE001 - a hand-made directory: as if there were none
+        return {}
+
+
+def default_prompt(run_dir: Path, prompt: str | None, raw: bool = False) -> tuple[str, bool]:
+    """(the prompt, whether the model is a chat model prompted through its template)."""
+    chat_data = run_config(run_dir).get("data", {}).get("_target_", "").endswith("InstructCorpus")
+    if prompt is not None and (raw or not chat_data):
+        return prompt, False
     try:
         corpus = run_corpus(run_dir)
     except Exception as err:  # noqa: BLE001 - files moved, cache gone: the user can still say
+        if prompt is not None:
+            print(f"looplib: the run's data does not load ({' '.join(str(err).split())[:200]}): the prompt goes "
+                  "to the model as it is, not in a chat template", file=sys.stderr)
+            return prompt, False
         raise ConfigError("--prompt", f"no prompt given, and the run's data does not load ({err})",
                           'give one: --prompt "..."') from None
+    chat = bool(getattr(corpus, "chat_records", False)) and not raw
+    if prompt is not None:
+        return (corpus.chat_prompt(prompt) if chat else prompt), chat
     if corpus is None or not hasattr(corpus, "sample_prompt"):
         raise ConfigError("--prompt", "no prompt given and the run's data has none to offer",
                           'give one: --prompt "..."')
-    return corpus.sample_prompt()
+    return corpus.sample_prompt(), chat
 
 
-def load_hf(directory: Path, device: torch.device):
-    """(model, tokenizer, is_classifier) from a transformers or peft directory, local files only."""
+def load_qlora(directory: Path, settings: dict, compute: torch.dtype, device: torch.device, transformers):
+    """A QLoRA adapter on its base quantised as in training (``settings``: the run's ``peft`` keys)."""
+    from ..optim import import_bitsandbytes
+    from ..peft import import_peft
+    import_bitsandbytes("RUN_DIR", "a QLoRA run's base")
+    peft = import_peft()
+    base_path = json.loads((directory / "adapter_config.json").read_text())["base_model_name_or_path"]
+    options = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=settings.get("quant_type", "nf4"),
+                                              bnb_4bit_use_double_quant=settings.get("double_quant", True),
+                                              bnb_4bit_compute_dtype=compute)
+    where = device.index if device.type == "cuda" and device.index is not None else str(device)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, quantization_config=options, dtype=torch.float32,
+                                                             local_files_only=True, device_map={"": where})
+    for m in base.modules():  # bitsandbytes' CPU inference kernel cannot take layers narrower than a block
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return peft.PeftModel.from_pretrained(base, str(directory))
+
+
+def load_hf(directory: Path, device: torch.device, config: dict | None = None):
+    """(model, tokenizer, is_classifier) from a transformers or peft directory, local files only;
+    ``config``: the run's saved config (a QLoRA adapter then loads on its 4-bit base)."""
     from ..hf import import_transformers
     transformers = import_transformers()
     adapter = directory / "adapter_config.json"
+    peft_settings = (config or {}).get("peft") or {}
+    if adapter.is_file() and str(peft_settings.get("_target_", "")).endswith(".QLoRA"):
+        precision = str(((config or {}).get("precision") or {}).get("_target_", ""))
+        compute = {"BF16": torch.bfloat16, "FP16": torch.float16}.get(precision.rpartition(".")[2], torch.float32)
+        from ..hf import has_tokenizer
+        if not has_tokenizer(directory):
+            raise ConfigError("RUN_DIR", f"{directory} holds no tokenizer", "train on text data to sample text")
+        try:
+            model = load_qlora(directory, peft_settings, compute, device, transformers)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ConfigError("RUN_DIR", f"{directory} does not load: {' '.join(str(err).split())[:300]}",
+                              "give a run directory of a finished run (it holds hf/)") from None
+        return model.eval(), tokenizer, False
     if adapter.is_file():
         from ..peft import import_peft
         peft = import_peft()
@@ -81,9 +137,11 @@ def load_hf(directory: Path, device: torch.device):
 
 
 def generate_hf(directory: Path, prompt: str | None, args, device: torch.device) -> str:
-    model, tokenizer, classifier = load_hf(directory, device)
-    prompt = default_prompt(directory.parent if directory.name == "hf" else directory, prompt)
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    run_dir = directory.parent if directory.name == "hf" else directory
+    model, tokenizer, classifier = load_hf(directory, device, run_config(run_dir))
+    prompt, chat = default_prompt(run_dir, prompt, args.raw)
+    # a templated prompt holds its special tokens as text: the template's own BOS, nothing added
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).to(device)
     if classifier:
         with torch.no_grad():
             probs = model(**inputs).logits.float().softmax(-1)[0]
@@ -92,9 +150,10 @@ def generate_hf(directory: Path, prompt: str | None, args, device: torch.device)
                                                                           key=lambda x: -x[1]))
     torch.manual_seed(args.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop = {"eos_token_id": tokenizer.eos_token_id} if chat and tokenizer.eos_token_id is not None else {}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.tokens, do_sample=True, top_k=args.top_k,
-                             temperature=args.temperature, pad_token_id=pad)
+                             temperature=args.temperature, pad_token_id=pad, **stop)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -114,11 +173,16 @@ def generate_bundled(run_dir: Path, prompt: str | None, args, device: torch.devi
     load_model(model, str(weights))
     model.to(device).eval()
     corpus = hydra.utils.instantiate(cfg.data)
-    prompt = prompt if prompt is not None else (corpus.sample_prompt() if hasattr(corpus, "sample_prompt") else "\n")
+    chat = bool(getattr(corpus, "chat_records", False)) and not args.raw
+    if prompt is None:
+        prompt = corpus.sample_prompt() if hasattr(corpus, "sample_prompt") else "\n"
+    elif chat:
+        prompt = corpus.chat_prompt(prompt)
     ids = torch.tensor([corpus.encode(prompt)], device=device)
     gen = torch.Generator(device).manual_seed(args.seed)
+    stop = {"stop": corpus.eos_id} if chat and corpus.eos_id is not None else {}
     with torch.no_grad():
-        out = model.generate(ids, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+        out = model.generate(ids, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen, **stop)
     return corpus.decode(out[0].tolist())
 
 
@@ -131,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    parser.add_argument("--raw", action="store_true",
+                        help="a model trained on chat records: the prompt as it is, not a user turn in its template")
     args = parser.parse_args(argv)
     try:
         from ..engines.local import resolve_device

@@ -20,6 +20,7 @@ from ..engines.launch import launched_world
 from ..errors import ConfigError, Interrupted, NothingToDo, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
+from ..peft import FullModel
 from ..run import rundir
 from ..run.assembly import Job, Parts, Record
 from ..run.lifecycle import assemble, execute
@@ -42,7 +43,8 @@ def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
     def later() -> dict:
         torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
         data = instantiate(cfg, "data")
-        return {"data": data, "model": instantiate(cfg, "model")}
+        with (built.get("peft") or FullModel()).loading():  # QLoRA: a transformers model loads in 4 bits
+            return {"data": data, "model": instantiate(cfg, "model")}
 
     return Parts(later, logger=trackers, **built), settings, record(cfg)
 

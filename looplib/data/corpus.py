@@ -39,6 +39,13 @@ class Corpus:
             return ""
         return self.decode(self.eval[0]["input_ids"][:8].tolist())
 
+    chat_records = False  # True: trained on chat messages (the end-of-run sample, looplib.generate template prompts)
+
+    def chat_prompt(self, text: str) -> str:
+        """``text`` as the model was trained to see a prompt: a user turn in the tokenizer's chat
+        template, opening the assistant's turn, for a model trained on chat records; as it is otherwise."""
+        return text
+
     def fingerprint(self) -> dict | None:
         """What identifies these data, kept in every checkpoint and compared on resume (a change
         is refused: ``looplib.data.identity``): ``{"train": ..., "eval": ..., "tokenizer": ...}``,

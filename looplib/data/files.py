@@ -39,6 +39,7 @@ class FileCorpus(Corpus):
                  seed: int, errors: str):  # checked by looplib.schema against the subclasses' annotations
         self.seq_len, self.errors, self.seed, self.chat = seq_len, errors, seed, None
         files = resolve_files(path, "data.path")
+        self.files = files
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
         self.check_files(files, "data.path")
         self.check_files(eval_files, "data.eval_path")

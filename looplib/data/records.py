@@ -91,13 +91,31 @@ class InstructCorpus(FileCorpus):
             log.warning("%d of %d training examples are longer than seq_len + 1 = %d tokens: cut to fit",
                         long, len(train_docs), self.seq_len + 1)
 
+    @property
+    def chat_records(self) -> bool:
+        """Chat messages, not prompt/completion records (the first training record says)."""
+        if getattr(self, "_chat_records", None) is None:
+            first = next((record for f in self.files[:1] for _, record in records(f, self.errors)), {})
+            self._chat_records = self.fields["messages"] in first
+        return self._chat_records
+
+    def chat_prompt(self, text: str) -> str:
+        if not self.chat_records:
+            return text
+        if self.chat is None:
+            self.chat = ChatTemplate(self.info, "data.messages_field")
+        return self.chat.render([{"role": "user", "content": text}], generation_prompt=True)
+
     def sample_prompt(self):
+        """The first held-out example up to its completion: for chat records the conversation as the
+        template renders it, up to and including the opening of the assistant's turn."""
         if len(self.eval) == 0:
             return ""
         doc = int(self.eval.docs[0])
         ids, target = self.eval.ids(doc)
         prompt = ids[:int(np.argmax(target)) if target.any() else len(ids)].tolist()
-        return self.tokenizer.decode(prompt[len(self.info.prefix):], skip_special_tokens=False)
+        skip = 0 if self.chat_records else len(self.info.prefix)  # the template writes its own BOS
+        return self.tokenizer.decode(prompt[skip:], skip_special_tokens=False)
 
 
 class ClassificationCorpus(FileCorpus):

@@ -104,6 +104,7 @@ class DeepSpeed(Distributed):
 
     own_checkpoints = True  # DeepSpeed's own format: ZeRO partitions per rank
     checkpoint_format = "deepspeed"
+    keeps_modules = False  # ZeRO partitions and re-types parameters
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
 
     def __init__(self, device: str | torch.device = "auto", stage: Literal[0, 1, 2, 3] = 2, offload_optimizer: Offload = "none",

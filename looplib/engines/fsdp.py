@@ -79,6 +79,8 @@ class FSDP(Distributed):
     CPU). reduce_dtype: ``float32`` (default) or ``param`` (the 16-bit compute dtype).
     """
 
+    keeps_modules = False  # parameters become DTensor shards
+
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
     checkpoint_format = "dcp"
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)

@@ -54,6 +54,9 @@ class Engine:
     # looplib's and dcp (looplib.engines.state_dicts); DeepSpeed only its own.
     checkpoint_format = "looplib"
     several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
+    # True: every rank holds the model's modules as they were built (local, DDP); False: the engine
+    # shards or re-types parameters (FSDP, DeepSpeed), which a 4-bit base (+peft=qlora) cannot take
+    keeps_modules = True
     per_process = ("rank", "world_size", "device")  # differ from rank to rank: never part of the saved config
 
     def __init__(self, device: str | torch.device = "auto"):

@@ -4,9 +4,11 @@ against its positions. transformers is imported only when one of these is called
 (``pip install 'looplib[hf]'``); ``default_seq_len`` reads config.json without it."""
 from __future__ import annotations
 
+import contextvars
 import difflib
 import inspect
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -126,11 +128,34 @@ def check_positions(config, seq_len: int) -> None:
                           f"use model.seq_len={limit} or less")
 
 
+# BitsAndBytesConfig's keys and the device, while a QLoRA job's model is built (looplib.peft.QLoRA.loading)
+IN_4BIT: contextvars.ContextVar[tuple[dict, torch.device] | None] = contextvars.ContextVar("looplib_4bit", default=None)
+
+
+@contextmanager
+def loading_in_4bit(options: dict, device: torch.device):
+    """Within the block, a model read from ``model.path`` loads its linear layers in 4 bits on
+    ``device`` (transformers' ``BitsAndBytesConfig(**options)``: quantised one layer at a time
+    as it loads, never whole in 16 or 32 bits on the device)."""
+    token = IN_4BIT.set((options, torch.device(device)))
+    try:
+        yield
+    finally:
+        IN_4BIT.reset(token)
+
+
 def load_weights(auto, path: str, config, attn_implementation: str):
-    """The directory's weights in fp32 (precision strategies cast; the master copy stays fp32)."""
+    """The directory's weights in fp32 (precision strategies cast; the master copy stays fp32), or
+    within ``loading_in_4bit`` its linear layers quantised to 4 bits as they load."""
+    quantized = {}
+    if IN_4BIT.get() is not None:
+        from transformers import BitsAndBytesConfig
+        options, device = IN_4BIT.get()
+        where = device.index if device.type == "cuda" and device.index is not None else str(device)
+        quantized = dict(quantization_config=BitsAndBytesConfig(**options), device_map={"": where})
     try:
         return auto.from_pretrained(path, config=config, local_files_only=True, dtype=torch.float32,
-                                    attn_implementation=attn_implementation)
+                                    attn_implementation=attn_implementation, **quantized)
     except (OSError, ValueError, RuntimeError) as err:
         raise ConfigError("model.path", f"the weights in {path} do not load: {one_line(err)}",
                           "check the directory, and that no config override changes a weight's shape") from None

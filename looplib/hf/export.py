@@ -5,6 +5,7 @@ saved beside it when the model was built from a config, or is a classifier whose
 lacks), or merged weights (``peft.merge=true``); tokenizer files beside them."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..quantize import dequantized, is_4bit
 from .config import import_transformers
 
 log = logging.getLogger("looplib")
@@ -29,16 +31,15 @@ def export_model(model, run_dir: Path, weights: dict[str, torch.Tensor], corpus=
     shutil.rmtree(tmp, ignore_errors=True)
     if not hasattr(model.hf, "peft_config"):
         model.hf.save_pretrained(tmp, state_dict=weights, max_shard_size=model.max_shard_size)
-    elif merge:
-        base = model.hf.get_base_model()
-        base.save_pretrained(tmp, state_dict=merge_lora(model.hf, weights, merge=True),
-                             max_shard_size=model.max_shard_size)
+    elif merge:  # a 4-bit base (QLoRA) dequantised first
+        merged = merge_lora(model.hf, dequantized(model.hf, weights), merge=True)
+        save_full_precision(model.hf.get_base_model(), tmp, merged, model.max_shard_size)
     else:
         base_path = model.path if model.path_is_base else None
         if base_path is None:  # the frozen base is saved too, and pointed at
             base_dir = run_dir / "hf_base"
-            model.hf.get_base_model().save_pretrained(base_dir, state_dict=merge_lora(model.hf, weights, merge=False),
-                                                     max_shard_size=model.max_shard_size)
+            save_full_precision(model.hf.get_base_model(), base_dir,
+                                merge_lora(model.hf, dequantized(model.hf, weights), merge=False), model.max_shard_size)
             save_tokenizer(base_dir, corpus, model.path)
             base_path = str(base_dir.resolve())
         model.hf.peft_config["default"].base_model_name_or_path = base_path
@@ -49,6 +50,22 @@ def export_model(model, run_dir: Path, weights: dict[str, torch.Tensor], corpus=
     log.info("exported for transformers%s: %s", " (LoRA adapter)" if hasattr(model.hf, "peft_config") and not merge
              else "", target)
     return target
+
+
+def save_full_precision(base, directory: Path, state_dict: dict[str, torch.Tensor], max_shard_size) -> None:
+    """``base.save_pretrained`` with ``state_dict``; a base holding 4-bit layers (QLoRA) is saved
+    as the full-precision model its weights now are (config.json without its quantisation)."""
+    if not any(is_4bit(m) for m in base.modules()):
+        base.save_pretrained(directory, state_dict=state_dict, max_shard_size=max_shard_size)
+        return
+    config = copy.deepcopy(base.config)
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    with torch.device("meta"):  # a skeleton to write with: no memory
+        skeleton = type(base)(config)
+    skeleton.save_pretrained(directory, state_dict={k: v.contiguous() for k, v in state_dict.items()},
+                             max_shard_size=max_shard_size)
 
 
 def merge_lora(peft_model, weights: dict[str, torch.Tensor], merge: bool) -> dict[str, torch.Tensor]:

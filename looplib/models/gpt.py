@@ -110,12 +110,21 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int = 40, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int = 40, generator: torch.Generator | None = None, stop: int | None = None) -> torch.Tensor:
+        """Top-k sampling; ``stop``: a token id (the end of a chat turn) after which a row is done
+        (generation ends when every row is; a done row is padded with it)."""
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(max_new_tokens):
             logits = self(ids[:, -self.seq_len:])[:, -1].float() / temperature
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            new = torch.multinomial(probs, 1, generator=generator)
+            if stop is not None:
+                new = new.masked_fill(done[:, None], stop)
+                done |= new[:, 0] == stop
+            ids = torch.cat([ids, new], dim=1)
+            if stop is not None and bool(done.all()):  # a host sync per token: only when asked to stop
+                break
         return ids
 
 

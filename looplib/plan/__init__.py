@@ -6,9 +6,11 @@ Prints, for the job ``python -m looplib.train <overrides>`` would run, where the
 - static, exact (equal to the bytes of the real tensors; ``tests/test_plan.py`` checks it):
   weights, the 16-bit copies autocast makes of matmul weights under mixed precision (so
   4 bytes/param in fp32, about 6 mixed), gradients, optimizer state;
-- activations saved for backward per micro-batch, with and without activation
-  checkpointing: an estimate, measured by running the model on the meta device (no memory,
-  no compute) with attention counted as a fused kernel saves it (q, k, v, output, logsumexp);
+- activations saved for backward per micro-batch for each activation strategy (none, blocks,
+  selective, offload: on the device and, offloaded, in host memory), measured by running the
+  model on the meta device (no memory, no compute) with attention counted as a fused kernel
+  saves it (q, k, v, output, logsumexp); on the CPU within 5% of the bytes a real forward
+  holds for backward (``tests/test_activation_memory.py``);
 - per rank under DeepSpeed ZeRO 1/2/3, with and without offload, and under FSDP2 (shards plus
   the largest unit gathered whole), for ``--world-size`` ranks;
 
@@ -24,8 +26,9 @@ measurement), ``sharding`` (ZeRO/FSDP arithmetic), ``budget`` (``Plan``, ``plan_
 from __future__ import annotations
 
 from ..checkpointing import ActivationCheckpointing, Checkpointing
-from .activations import (Activations, FusedAttention, MetaAutocast, Saved, activation_estimates, default_checkpointing,
-                          measure_saved, meta_batch)
+from .activations import (STRATEGIES, Activations, ActivationUse, FusedAttention, MetaAutocast, Saved,
+                          activation_estimates, activation_uses, chosen_modules, default_checkpointing, measure_saved,
+                          meta_batch, strategy_bytes)
 from .advice import engine_choice, human, largest_micro_batch, recommendations
 from .budget import USABLE, Plan, device_memory, plan_job
 from .render import render, row
@@ -34,7 +37,8 @@ from .static import (BNB_BLOCK, BNB_QMAP, MATMUL_MODULES, adam8bit_rule, autocas
                      optimizer_state_bytes, optimizer_state_bytes_of, state_rule, state_tensor_bytes, unique_params,
                      weight_bytes)
 
-__all__ = ["BNB_BLOCK", "BNB_QMAP", "MATMUL_MODULES", "USABLE", "ActivationCheckpointing", "Activations",
+__all__ = ["BNB_BLOCK", "BNB_QMAP", "MATMUL_MODULES", "STRATEGIES", "USABLE", "ActivationCheckpointing",
+           "ActivationUse", "Activations", "activation_uses", "chosen_modules", "strategy_bytes",
            "Checkpointing", "FusedAttention", "MetaAutocast", "Plan", "Saved", "activation_estimates",
            "adam8bit_rule", "autocast_copy_bytes", "default_checkpointing", "device_memory",
            "engine_choice", "fsdp_per_rank", "fsdp_units", "gradient_bytes", "human", "largest_micro_batch",

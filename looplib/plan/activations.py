@@ -1,17 +1,20 @@
 """Activations saved for backward, estimated by running the model on the meta device (no memory,
-no compute), with attention counted as a fused kernel saves it (q, k, v, output, logsumexp)."""
+no compute), with attention counted as a fused kernel saves it (q, k, v, output, logsumexp),
+for each activation strategy: none, blocks (recompute), selective (keep matmul and attention
+outputs, recompute the rest) and offload (to host memory)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..checkpointing import ActivationCheckpointing, Checkpointing
+from ..checkpointing import SAVE, ActivationCheckpointing, Checkpointing
 from ..loss import SequenceCrossEntropy
-from .static import nbytes
 
 
 class MetaAutocast(TorchFunctionMode):
@@ -25,6 +28,7 @@ class MetaAutocast(TorchFunctionMode):
     def __init__(self, dtype: torch.dtype | None):
         super().__init__()
         self.dtype, self.copies = dtype, {}
+        self.on_attention = None   # called with a fused attention's outputs (selective keeps them)
 
     def cast(self, x, dtype):
         if not (torch.is_tensor(x) and x.is_floating_point()) or x.dtype == dtype:
@@ -45,7 +49,10 @@ class MetaAutocast(TorchFunctionMode):
             return self.UNREADABLE[func]
         if func is F.scaled_dot_product_attention:
             q, k, v = (self.cast(t, self.dtype) if self.dtype else t for t in args[:3])
-            return FusedAttention.apply(q, k, v)
+            out = FusedAttention.apply(q, k, v)
+            if self.on_attention is not None:
+                self.on_attention(out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+            return out
         if self.dtype is not None and func in self.LOW:
             args = [self.cast(a, self.dtype) for a in args]
             kwargs = {k: self.cast(v, self.dtype) for k, v in kwargs.items()}
@@ -74,38 +81,75 @@ class FusedAttention(torch.autograd.Function):
 
 @dataclass
 class Saved:
-    total: int = 0                                        # bytes saved for backward, each storage once
-    inside: dict[str, int] = field(default_factory=dict)  # of which saved inside each chosen module
-    inputs: dict[str, int] = field(default_factory=dict)  # bytes of each chosen module's tensor inputs
+    """What a meta-device forward saves for backward, each storage once (``key -> (bytes, owner)``:
+    the chosen module it was saved, kept or taken in, None outside every chosen one)."""
+    saved: dict = field(default_factory=dict)   # by autograd (parameters and autocast's weight copies not counted)
+    inputs: dict = field(default_factory=dict)  # the chosen modules' tensor inputs (what recomputation starts from)
+    kept: dict = field(default_factory=dict)    # outputs of the ops selective checkpointing keeps (in chosen modules)
+    held: list = field(default_factory=list)    # every tensor noted, alive until the end: no address is reused
+
+    def note(self, what: str, t: torch.Tensor, owner: str | None) -> None:
+        getattr(self, what).setdefault(t.untyped_storage()._cdata, (t.untyped_storage().nbytes(), owner))
+        self.held.append(t)
+
+    @property
+    def total(self) -> int:
+        return sum(size for size, _ in self.saved.values())
+
+    @property
+    def inside(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for size, owner in self.saved.values():
+            if owner is not None:
+                out[owner] = out.get(owner, 0) + size
+        return out
+
+
+class KeptOutputs(TorchDispatchMode):
+    """Records the outputs of the ops in ``keep`` (aten names) run inside a chosen module."""
+
+    def __init__(self, keep: frozenset[str], stack: list, saved: Saved):
+        super().__init__()
+        self.keep, self.stack, self.saved = keep, stack, saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.stack and getattr(getattr(func, "overloadpacket", None), "__name__", None) in self.keep:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if torch.is_tensor(t):
+                    self.saved.note("kept", t, self.stack[0])
+        return out
 
 
 def measure_saved(model: nn.Module, objective, batch: dict, dtype: torch.dtype | None,
-                  chosen: list[str]) -> Saved:
-    """Run ``objective(model, batch)`` on the meta device and sum what autograd saves."""
+                  chosen: list[str], keep: Sequence[str] = ()) -> Saved:
+    """Run ``objective(model, batch)`` on the meta device and record what autograd saves, what the
+    chosen modules take in, and (``keep``: aten op names) what selective checkpointing would keep."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved, seen, stack, hooks = Saved(), set(), [], []
+    saved, stack, hooks = Saved(), [], []
     mode = MetaAutocast(dtype)
+    keep = frozenset(keep)
+    if any("attention" in op for op in keep):  # a fused kernel's outputs: out and logsumexp
+        mode.on_attention = lambda *outs: [saved.note("kept", t, stack[0]) for t in outs] if stack else None
     modules = dict(model.named_modules())
     for name in chosen:
         def pre(mod, args, name=name):
             stack.append(name)
-            saved.inputs[name] = sum(nbytes(a) for a in args if torch.is_tensor(a))
+            for a in args:
+                if torch.is_tensor(a):
+                    saved.note("inputs", a, name)
         hooks.append(modules[name].register_forward_pre_hook(pre))
         hooks.append(modules[name].register_forward_hook(lambda *_: stack.pop() and None))
 
     def pack(t):
         key = t.untyped_storage()._cdata
         copies = {c.untyped_storage()._cdata for c in mode.copies.values()}
-        if key not in seen and key not in params and key not in copies:
-            seen.add(key)
-            size = t.untyped_storage().nbytes()
-            saved.total += size
-            if stack:
-                saved.inside[stack[0]] = saved.inside.get(stack[0], 0) + size
+        if key not in params and key not in copies:
+            saved.note("saved", t, stack[0] if stack else None)
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, KeptOutputs(keep, stack, saved):
             objective(model, batch)
     finally:
         for h in hooks:
@@ -122,6 +166,61 @@ class Activations:
     def at(self, micro_batch: int) -> int:
         return self.fixed + self.per_sample * micro_batch
 
+    @staticmethod
+    def line(at_1: int, at_2: int) -> "Activations":
+        return Activations(2 * at_1 - at_2, at_2 - at_1)
+
+
+@dataclass
+class ActivationUse:
+    """One activation strategy's memory, each a line in the micro-batch: ``device`` held on the
+    device from the end of forward into backward, ``transient`` more on the device during
+    backward at most (one block recomputed, or brought back from the host), ``host`` in host
+    memory (offload). ``at`` (and ``fixed``, ``per_sample``) is the device's share of the peak."""
+    device: Activations
+    transient: Activations = field(default_factory=lambda: Activations(0, 0))
+    host: Activations = field(default_factory=lambda: Activations(0, 0))
+
+    def at(self, micro_batch: int) -> int:
+        return self.device.at(micro_batch) + self.transient.at(micro_batch)
+
+    @property
+    def fixed(self) -> int:
+        return self.device.fixed + self.transient.fixed
+
+    @property
+    def per_sample(self) -> int:
+        return self.device.per_sample + self.transient.per_sample
+
+
+STRATEGIES = ("none", "blocks", "selective", "offload")
+
+
+def strategy_bytes(s: Saved) -> dict[str, tuple[int, int, int]]:
+    """(device, transient, host) bytes of each activation strategy, from one measured forward."""
+    outside = {k: size for k, (size, owner) in s.saved.items() if owner is None}
+    inputs = {k: size for k, (size, _) in s.inputs.items()}
+    kept = {k: size for k, (size, _) in s.kept.items()}
+    inside = s.inside
+    recomputed: dict[str, int] = {}  # what selective recomputes in each module: saved there, not kept
+    for k, (size, owner) in s.saved.items():
+        if owner is not None and k not in kept:
+            recomputed[owner] = recomputed.get(owner, 0) + size
+    largest = max((size for size, owner in s.saved.values() if owner is not None), default=0)
+    return {"none": (s.total, 0, 0),
+            "blocks": (sum({**outside, **inputs}.values()), max(inside.values(), default=0), 0),
+            "selective": (sum({**outside, **inputs, **kept}.values()), max(recomputed.values(), default=0), 0),
+            "offload": (sum(outside.values()), largest, sum(inside.values()))}
+
+
+def activation_uses(model: nn.Module, objective, seq_len: int, dtype: torch.dtype | None,
+                    chosen: list[str], keep: Sequence[str]) -> dict[str, ActivationUse]:
+    """Every strategy's ``ActivationUse`` on the chosen modules: two meta-device forwards (micro-batch 1 and 2)."""
+    runs = [strategy_bytes(measure_saved(model, objective, meta_batch(objective, b, seq_len), dtype, chosen, keep))
+            for b in (1, 2)]
+    return {name: ActivationUse(*(Activations.line(runs[0][name][i], runs[1][name][i]) for i in range(3)))
+            for name in STRATEGIES}
+
 
 def meta_batch(objective, size: int, seq_len: int) -> dict:
     ids = torch.zeros(size, seq_len, dtype=torch.long, device="meta")
@@ -130,23 +229,26 @@ def meta_batch(objective, size: int, seq_len: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def activation_estimates(model: nn.Module, objective, seq_len: int, dtype: torch.dtype | None,
-                         checkpointing: Checkpointing) -> tuple[Activations, Activations, list[str]]:
-    """Without and with checkpointing (the configured strategy, or every transformer block).
-    Checkpointed: what is saved outside the chosen modules, plus their inputs (kept for the
-    recomputation), plus one chosen module's own activations (recomputed one at a time)."""
-    if not isinstance(checkpointing, ActivationCheckpointing):
-        checkpointing = default_checkpointing()
+def chosen_modules(model: nn.Module, checkpointing: Checkpointing) -> tuple[list[str], tuple[str, ...], str]:
+    """The modules the strategy works on (the configured one, or every transformer block when
+    none is: what ``+checkpointing=blocks`` would choose), the ops selective checkpointing keeps,
+    and the strategy's kind (``none``, ``blocks``, ``selective``, ``offload``)."""
+    kind = getattr(checkpointing, "kind", "blocks")
+    strategy = checkpointing if isinstance(checkpointing, ActivationCheckpointing) else default_checkpointing()
     try:
-        chosen = [name for name, _ in checkpointing.chosen(model)]
+        chosen = [name for name, _ in strategy.chosen(model)]
     except Exception:  # noqa: BLE001
         chosen = []
-    runs = [measure_saved(model, objective, meta_batch(objective, b, seq_len), dtype, chosen) for b in (1, 2)]
-    plain = [r.total for r in runs]
-    ckpt = [r.total - sum(r.inside.values()) + sum(r.inputs.values()) + max(r.inside.values(), default=0)
-            for r in runs]
-    line = lambda a: Activations(2 * a[0] - a[1], a[1] - a[0])  # noqa: E731
-    return line(plain), line(ckpt), chosen
+    return chosen, tuple(getattr(checkpointing, "save", SAVE)), kind
+
+
+def activation_estimates(model: nn.Module, objective, seq_len: int, dtype: torch.dtype | None,
+                         checkpointing: Checkpointing) -> tuple[ActivationUse, ActivationUse, list[str]]:
+    """Without checkpointing, and with the configured strategy (every transformer block
+    recomputed when none is configured), and the modules chosen."""
+    chosen, keep, kind = chosen_modules(model, checkpointing)
+    uses = activation_uses(model, objective, seq_len, dtype, chosen, keep)
+    return uses["none"], uses["blocks" if kind == "none" else kind], chosen
 
 
 def default_checkpointing() -> ActivationCheckpointing:

@@ -50,9 +50,13 @@ def recommendations(plan: Plan) -> list[str]:
         out.append(f"not even a micro-batch of 1 fits ({human(plan.static + plan.activations.at(1))} "
                    f"needed, {human(usable)} usable); in the guides' order:")
     if not plan.checkpointing_on:
-        saved = plan.act_plain.at(1) - plan.act_ckpt.at(1)
-        out.append(f"+checkpointing=blocks: activations per sample {human(plan.act_plain.per_sample)} -> "
-                   f"{human(plan.act_ckpt.per_sample)} (saves {human(saved)} at micro-batch 1)")
+        now = plan.act_plain
+        for name, cost in (("selective", "recomputes the cheap ops only"), ("blocks", "about one more forward pass"),
+                           ("offload", "host memory and copies instead of recomputing")):
+            use = plan.uses.get(name) or (plan.act_ckpt if name == "blocks" else None)
+            if use is not None and use.at(1) < now.at(1):
+                out.append(f"+checkpointing={name}: activations per sample {human(now.per_sample)} -> "
+                           f"{human(use.per_sample)} (saves {human(now.at(1) - use.at(1))} at micro-batch 1; {cost})")
     if plan.adam8bit_state is not None:
         out.append(f"+optim=adam8bit: optimizer state {human(plan.optim_state)} -> {human(plan.adam8bit_state)}")
     if plan.act_plain_bf16 is not None:

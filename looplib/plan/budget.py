@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import optim as lo
-from ..checkpointing import ActivationCheckpointing
-from .activations import Activations, activation_estimates
+from .activations import Activations, ActivationUse, activation_uses, chosen_modules
 from .sharding import fsdp_per_rank, fsdp_units
 from .static import adam8bit_rule, autocast_copy_bytes, gradient_bytes, optimizer_state_bytes_of, unique_params, weight_bytes
 
@@ -29,17 +28,19 @@ class Plan:
     copies: int
     gradients: int
     optim_state: int
-    act_plain: Activations
-    act_ckpt: Activations
+    act_plain: ActivationUse                       # without activation checkpointing
+    act_ckpt: ActivationUse                        # with the configured strategy (blocks when none is)
     checkpointing_on: bool
     chosen: list[str]
     memory: int
     memory_name: str
     world: int
     adam8bit_state: int | None = None
-    act_plain_bf16: Activations | None = None
+    act_plain_bf16: ActivationUse | None = None
     fsdp_unit: tuple[str, int] = ("the root", 0)   # the largest unit FSDP gathers: (name, bytes)
     n_total: int = 0                               # all parameters, frozen ones included (0: n_params)
+    uses: dict[str, ActivationUse] = field(default_factory=dict)  # every strategy: none, blocks, selective, offload
+    strategy: str = "none"                         # the configured one
 
     def fsdp(self, offload: bool = False) -> int:
         """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
@@ -51,8 +52,13 @@ class Plan:
         return self.weights + self.copies + self.gradients + self.optim_state
 
     @property
-    def activations(self) -> Activations:
+    def activations(self) -> ActivationUse:
         return self.act_ckpt if self.checkpointing_on else self.act_plain
+
+    @property
+    def host(self) -> Activations:
+        """Activations in host memory (``+checkpointing=offload``; zero otherwise)."""
+        return self.activations.host
 
     def peak(self, micro_batch: int) -> int:
         """The step's peak. The loop frees gradients after each update (set_to_none), so without
@@ -84,8 +90,10 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
         model_name = type(model).__name__
         model = peft.wrap(model)  # LoRA: only the adapter's parameters train (gradients, optimizer state)
     dtype = precision.dtype
-    seq_len = getattr(model, "seq_len", None) or data_seq_len
-    plain, ckpt, chosen = activation_estimates(model, objective, int(seq_len), dtype, checkpointing)
+    seq_len = int(getattr(model, "seq_len", None) or data_seq_len)
+    chosen, keep, kind = chosen_modules(model, checkpointing)
+    uses = activation_uses(model, objective, seq_len, dtype, chosen, keep)
+    plain, ckpt = uses["none"], uses["blocks" if kind == "none" else kind]
     device = resolve_device(settings.device)
     if memory is None:
         memory, name = device_memory(device)
@@ -95,15 +103,15 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
     plan = Plan(model_name, n, precision.name,
                 type(factory).__name__, settings.batch_size, settings.accum_steps, settings.global_batch_size,
                 weight_bytes(model), autocast_copy_bytes(model, dtype), gradient_bytes(model),
-                optimizer_state_bytes_of(factory, model), plain, ckpt,
-                isinstance(checkpointing, ActivationCheckpointing), chosen, memory, name, world)
+                optimizer_state_bytes_of(factory, model), plain, ckpt, kind != "none", chosen, memory, name, world,
+                uses=uses, strategy=kind)
     name, count = max(fsdp_units(model, blocks or BLOCKS), key=lambda u: u[1])
     plan.n_total = sum(p.numel() for p in unique_params(model))
     plan.fsdp_unit = (name, count * (2 if dtype in (torch.bfloat16, torch.float16) else 4))
     if not isinstance(factory, lo.Adam8bit):
         plan.adam8bit_state = adam8bit_rule(model)
     if dtype is None:
-        plan.act_plain_bf16 = activation_estimates(model, objective, int(seq_len), torch.bfloat16, checkpointing)[0]
+        plan.act_plain_bf16 = activation_uses(model, objective, seq_len, torch.bfloat16, chosen, ())["none"]
     return plan
 
 

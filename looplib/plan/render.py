@@ -18,7 +18,7 @@ def render(plan: Plan) -> str:
              f"optimizer {plan.optimizer}, activation checkpointing {'on' if plan.checkpointing_on else 'off'}, "
              f"micro-batch {plan.micro_batch} x accumulation {plan.accum_steps}",
              "static (exact):",
-             row(f"weights ({plan.weights / max(total, 1):.0f} bytes/param)", plan.weights),
+             row(f"weights ({plan.weights / max(total, 1):.3g} bytes/param)", plan.weights),
              row("16-bit copies of matmul weights (autocast)", plan.copies),
              row("gradients", plan.gradients),
              row(f"optimizer state ({plan.optimizer})", plan.optim_state),
@@ -28,8 +28,16 @@ def render(plan: Plan) -> str:
              row(f"per sample, with checkpointing ({len(plan.chosen)} modules)", plan.act_ckpt.per_sample),
              row(f"micro-batch {mb}, without checkpointing", plan.act_plain.at(mb)),
              row(f"micro-batch {mb}, with checkpointing", plan.act_ckpt.at(mb)),
+             *([row(f"micro-batch {mb}, offloaded to host memory", plan.host.at(mb))] if plan.host.at(mb) else []),
              row(f"peak at micro-batch {mb} x accumulation {plan.accum_steps} (as configured)", plan.peak(mb)),
              row(f"device memory ({plan.memory_name}); {USABLE:.0%} usable", plan.memory)]
+    if plan.uses:
+        lines.append(f"activations by strategy (+checkpointing=...) at micro-batch {mb}, on {len(plan.chosen)} modules: "
+                     "held on the device from forward into backward, + at most in backward, in host memory:")
+        for name, use in plan.uses.items():
+            mark = " (configured)" if name == plan.strategy else ""
+            lines.append(f"  {name + mark:<22}{human(use.device.at(mb)):>14} +{human(use.transient.at(mb)):>12}"
+                         f"{human(use.host.at(mb)) + ' host' if use.host.at(mb) else '':>20}")
     p, g, o = plan.zero_layout()
     lines.append(f"DeepSpeed ZeRO model state per rank, {plan.world} rank(s) "
                  f"(params {human(p)}, grads {human(g)}, optimizer + master {human(o)}):")

@@ -27,7 +27,23 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(nbytes(p) for p in unique_params(model))
+    """Every parameter's bytes; a 4-bit one (``+peft=qlora``) as it is stored: the packed weights
+    and its quantisation constants (each storage once),
+    or on the meta device as ``looplib.quantize.fourbit_bytes`` says it will be."""
+    from ..quantize import fourbit_bytes, quant_tensors
+    total, seen = 0, set()
+    for p in unique_params(model):
+        if getattr(p, "quant_state", None) is not None and getattr(p, "bnb_quantized", False):
+            for t in [p, *quant_tensors(p)]:
+                key = (t.device, t.untyped_storage().data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+        elif hasattr(p, "fourbit"):  # planned on meta: PlannedLinear4bit
+            total += fourbit_bytes(p.numel(), p.fourbit)
+        else:
+            total += nbytes(p)
+    return total
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -43,9 +59,10 @@ def autocast_copy_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
     forward to ``dtype`` and the copy is kept for backward: the mixed-precision "+2 bytes"."""
     if dtype is None:
         return 0
+    from ..quantize import is_4bit
     seen: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        if isinstance(module, MATMUL_MODULES):
+        if isinstance(module, MATMUL_MODULES) and not is_4bit(module):  # 4-bit: dequantised per use, not cached
             for p in module.parameters(recurse=False):
                 seen[id(p)] = p
     return sum(p.numel() * dtype.itemsize for p in seen.values() if p.is_floating_point())

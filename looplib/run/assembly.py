@@ -125,12 +125,15 @@ def check(parts: Parts, settings: Settings) -> None:
     """The checks between strategies that need no data and no model (so bad input fails before a
     tokenizer is trained or a model is built): the precision on the engine's device, chosen for
     that engine (FSDP's sharded loss scaler, DeepSpeed's own scaling), the engine with the
-    precision and optimizer, the held-out evaluation."""
+    precision and optimizer, the held-out evaluation, activation checkpointing with the engine and
+    compile mode, the adapter with the engine and precision."""
     parts.fill(settings)
     engine = parts.engine
     parts.precision = engine.precision_for(parts.precision)  # once, here: nothing replaces it later
     engine.check(settings, parts.precision, parts.optim)
     engine.check_evaluation(parts.evaluation)
+    parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
+    parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
 
 
 def build(parts: Parts, settings: Settings, record: Record) -> Job:

@@ -169,15 +169,18 @@ def mfu_settings(job: Job) -> dict:
 
 
 def print_sample(job: Job, n_tokens: int, run_dir: Path | None = None) -> None:
-    """A sample from the trained model: printed, and saved as ``<run dir>/sample.txt``."""
+    """A sample from the trained model: printed, and saved as ``<run dir>/sample.txt``. A model
+    trained on chat records answers a held-out conversation, rendered with the tokenizer's chat
+    template up to the assistant's turn, and stops at the end of its turn."""
     log.info("sampling %d tokens from the trained model", n_tokens)
     prompt = job.data.sample_prompt()
     ids = torch.tensor([job.data.encode(prompt)], device=job.engine.device)
     gen = torch.Generator(job.engine.device).manual_seed(job.settings.seed)
+    chat = {"stop": job.data.eos_id} if getattr(job.data, "chat_records", False) and job.data.eos_id is not None else {}
     # never through the training compile (+compile=): a prompt that grows by one token a step would
     # recompile, and a few tokens are not worth compiling for
     with job.precision.autocast(), torch.compiler.set_stance("force_eager"):
-        out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen)
+        out = job.engine.unwrap(job.model).generate(ids, n_tokens, generator=gen, **chat)
     text = job.data.decode(out[0].tolist())
     if job.engine.is_main:
         print(f"\n--- a sample from the trained model ---\n{text}\n---", flush=True)

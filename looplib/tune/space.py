@@ -1,8 +1,8 @@
 """What can be varied, for this job on this device, as the overrides a user would type.
 
 A candidate is one choice per dimension; its overrides are appended to the job's. A dimension
-the job pinned on its command line is never varied, and ``precision``/``optim`` (which change
-the numbers) only with ``tune.numerics=allow``. ``plan`` prices a candidate with the memory
+the job pinned on its command line is never varied, and ``precision``/``optim``/``peft`` (which
+change the numbers) only with ``tune.numerics=allow``. ``plan`` prices a candidate with the memory
 planner (``looplib.plan``) before anything runs.
 """
 from __future__ import annotations
@@ -89,6 +89,7 @@ OVERRIDES = {
     "engine": _engine,
     "precision": lambda o, c: [f"+precision={o}"],
     "optim": lambda o, c: [f"+optim={o}"],
+    "peft": lambda o, c: [] if o == "none" else [f"+peft={o}"],
 }
 
 
@@ -99,7 +100,8 @@ def has(module: str) -> bool:
 def device_options(device: torch.device, world: int, loss_target: str) -> dict[str, list[str]]:
     """Every option of every dimension this device (and world size, and installed packages) runs."""
     cuda = device.type == "cuda"
-    options = {"checkpointing": ["none", "blocks"],
+    # offload's speed is the CUDA copy engines'; on the CPU (host memory is the device's) only its mechanics
+    options = {"checkpointing": ["none", "blocks", "selective", "offload"],
                "compile": ["none", "default", "max_autotune", "reduce_overhead"] if cuda else ["none", "default"],
                "optim_impl": ["fused", "foreach"] if cuda else ["foreach", "fused"]}
     if loss_target.endswith("TokenCrossEntropy") or loss_target.endswith(".CausalLMLoss"):
@@ -116,6 +118,8 @@ def device_options(device: torch.device, world: int, loss_target: str) -> dict[s
             precisions.append("fp8")
     options["precision"] = precisions
     options["optim"] = ["adamw", "adafactor"] + (["adam8bit"] if cuda and has("bitsandbytes") else [])
+    if "loss" in options and has("peft") and has("bitsandbytes"):  # a language model: QLoRA's 4-bit base
+        options["peft"] = ["none", "qlora"]
     return options
 
 
