@@ -156,7 +156,9 @@ def quant_tensors(param) -> list[torch.Tensor]:
 
 def dequantized(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` (``model``'s state dict) with each 4-bit layer's weight back in full precision
-    (bitsandbytes' dequantisation, in the dtype it was quantised from) and its constants dropped."""
+    (bitsandbytes' dequantisation, in the dtype it was quantised from) and its constants dropped.
+    Each layer goes to host memory as soon as it is dequantised: the full-precision base of a model
+    that trained in 4 bits does not fit where it trained (an 8B base: 32 GB in fp32 beside 5 GB)."""
     layers = {f"{name}.weight": m for name, m in model.named_modules() if is_4bit(m, planned=False)}
     if not layers:
         return weights
@@ -165,5 +167,5 @@ def dequantized(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str,
     out = {key: value for key, value in weights.items() if not key.startswith(constants)}
     for key, m in layers.items():
         if key in out:
-            out[key] = F.dequantize_4bit(m.weight.data, m.weight.quant_state).to(m.weight.quant_state.dtype)
+            out[key] = F.dequantize_4bit(m.weight.data, m.weight.quant_state).to("cpu", m.weight.quant_state.dtype)
     return out

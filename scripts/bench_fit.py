@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def run(name: str, steps: int, device: str, out: Path, cap_gib: float | None, sm
     label, job, overrides = ROWS[name]
     job = SMALL if small else job
     run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # the benchmark's own run of this row: measured afresh
     args = [*job, *overrides, f"max_steps={steps}", f"device={device}", "log_every=1", "eval_every=0",
             "eval_samples=0", "sample_tokens=0", "progress=lines", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}"]
     if cap_gib and device != "cpu":

@@ -216,3 +216,13 @@ def test_on_cuda_qlora_quantises_on_the_device_and_trains_in_bf16(tmp_path):
     layers = [m for m in result.model.modules() if is_4bit(m)]
     assert layers and all(m.weight.is_cuda and m.weight.dtype == torch.uint8 and m.compute_dtype == torch.bfloat16
                           for m in layers)
+    # the export's full-precision base is dequantised layer by layer into host memory (an 8B
+    # base in fp32 would not fit on the device it trained on)
+    from looplib.quantize import dequantized
+    weights = {k: v.detach() for k, v in result.model.state_dict().items()}
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    full = dequantized(result.model, weights)
+    assert all(full[f"{n}.weight"].device.type == "cpu" for n, m in result.model.named_modules() if is_4bit(m))
+    largest = max(m.weight.numel() * 2 * 4 for m in layers)  # packed: 2 weights a byte; fp32 out
+    assert torch.cuda.max_memory_allocated() - before <= 2 * largest
