@@ -29,6 +29,7 @@ class MetaAutocast(TorchFunctionMode):
         super().__init__()
         self.dtype, self.copies = dtype, {}
         self.on_attention = None   # called with a fused attention's outputs (selective keeps them)
+        self.loss_backward = 0     # bytes the loss's backward allocates at once (cross-entropy: see below)
 
     def cast(self, x, dtype):
         if not (torch.is_tensor(x) and x.is_floating_point()) or x.dtype == dtype:
@@ -58,6 +59,13 @@ class MetaAutocast(TorchFunctionMode):
             kwargs = {k: self.cast(v, self.dtype) for k, v in kwargs.items()}
         elif self.dtype is not None and func in self.FP32:
             args = [self.cast(a, torch.float32) for a in args]
+        if func is F.cross_entropy and args and torch.is_tensor(args[0]):
+            # its backward, the first of the step, runs while everything saved is still held:
+            # nll_loss's backward makes a gradient the size of the log-softmax output (the
+            # input's shape and dtype: fp32 logits under autocast too) and log-softmax's
+            # backward another, both alive at once (then the upcast's gradient in the logits'
+            # dtype beside the first: less). Tokens x vocabulary: GBs for a language model.
+            self.loss_backward = max(self.loss_backward, 2 * args[0].numel() * args[0].element_size())
         return func(*args, **kwargs)
 
 
@@ -87,6 +95,7 @@ class Saved:
     inputs: dict = field(default_factory=dict)  # the chosen modules' tensor inputs (what recomputation starts from)
     kept: dict = field(default_factory=dict)    # outputs of the ops selective checkpointing keeps (in chosen modules)
     held: list = field(default_factory=list)    # every tensor noted, alive until the end: no address is reused
+    loss_backward: int = 0                      # bytes the loss's backward allocates at once, beside all saved
 
     def note(self, what: str, t: torch.Tensor, owner: str | None) -> None:
         getattr(self, what).setdefault(t.untyped_storage()._cdata, (t.untyped_storage().nbytes(), owner))
@@ -154,6 +163,7 @@ def measure_saved(model: nn.Module, objective, batch: dict, dtype: torch.dtype |
     finally:
         for h in hooks:
             h.remove()
+    saved.loss_backward = mode.loss_backward
     return saved
 
 
@@ -197,7 +207,10 @@ STRATEGIES = ("none", "blocks", "selective", "offload")
 
 
 def strategy_bytes(s: Saved) -> dict[str, tuple[int, int, int]]:
-    """(device, transient, host) bytes of each activation strategy, from one measured forward."""
+    """(device, transient, host) bytes of each activation strategy, from one measured forward.
+    The transient is the most the backward allocates beyond what is held: one chosen module's
+    saved tensors (recomputed, or brought back from the host), or the loss's backward (at its
+    start, with everything held; for a language model, logits-sized gradients), whichever is more."""
     outside = {k: size for k, (size, owner) in s.saved.items() if owner is None}
     inputs = {k: size for k, (size, _) in s.inputs.items()}
     kept = {k: size for k, (size, _) in s.kept.items()}
@@ -207,10 +220,11 @@ def strategy_bytes(s: Saved) -> dict[str, tuple[int, int, int]]:
         if owner is not None and k not in kept:
             recomputed[owner] = recomputed.get(owner, 0) + size
     largest = max((size for size, owner in s.saved.values() if owner is not None), default=0)
-    return {"none": (s.total, 0, 0),
-            "blocks": (sum({**outside, **inputs}.values()), max(inside.values(), default=0), 0),
-            "selective": (sum({**outside, **inputs, **kept}.values()), max(recomputed.values(), default=0), 0),
-            "offload": (sum(outside.values()), largest, sum(inside.values()))}
+    loss = s.loss_backward
+    return {"none": (s.total, loss, 0),
+            "blocks": (sum({**outside, **inputs}.values()), max(max(inside.values(), default=0), loss), 0),
+            "selective": (sum({**outside, **inputs, **kept}.values()), max(max(recomputed.values(), default=0), loss), 0),
+            "offload": (sum(outside.values()), max(largest, loss), sum(inside.values()))}
 
 
 def activation_uses(model: nn.Module, objective, seq_len: int, dtype: torch.dtype | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -54,18 +55,27 @@ def gradient_bytes(model: nn.Module) -> int:
 MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def autocast_copy_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
+def autocast_copy_bytes(model: nn.Module, dtype: torch.dtype | None, only_in: Sequence[str] = ()) -> int:
     """Under autocast each parameter of a matmul module (weights and biases) is cast once per
-    forward to ``dtype`` and the copy is kept for backward: the mixed-precision "+2 bytes"."""
+    forward to ``dtype`` and the copy is kept for backward: the mixed-precision "+2 bytes".
+
+    ``only_in`` (module names): the copies of parameters used only inside those modules. Under an
+    activation strategy on them (blocks, selective, offload) nothing on the device keeps these for
+    backward: autocast's cache holds them to the end of forward, then they are freed (and made
+    again, one module at a time, when it is recomputed; offload copies them to host memory)."""
     if dtype is None:
         return 0
     from ..quantize import is_4bit
+    inside = {id(m) for name in only_in for m in model.get_submodule(name).modules()}
     seen: dict[int, nn.Parameter] = {}
+    outside: set[int] = set()
     for module in model.modules():
         if isinstance(module, MATMUL_MODULES) and not is_4bit(module):  # 4-bit: dequantised per use, not cached
             for p in module.parameters(recurse=False):
                 seen[id(p)] = p
-    return sum(p.numel() * dtype.itemsize for p in seen.values() if p.is_floating_point())
+                if only_in and id(module) not in inside:
+                    outside.add(id(p))
+    return sum(p.numel() * dtype.itemsize for k, p in seen.items() if p.is_floating_point() and k not in outside)
 
 
 @functools.singledispatch
