@@ -142,7 +142,7 @@ def test_activation_estimate_matches_what_autograd_saves_in_fp32(kind):
     model = make()
     for b in (1, 3):
         labels = torch.randint(0, 256, (b, 32)) if kind == "gpt" else torch.randint(0, 2, (b,))
-        assert plain.at(b) == saved_bytes(model, objective, {"input_ids": torch.randint(0, 256, (b, 32)),
+        assert plain.device.at(b) == saved_bytes(model, objective, {"input_ids": torch.randint(0, 256, (b, 32)),
                                                              "labels": labels})
     assert ckpt.per_sample < plain.per_sample
 
@@ -156,7 +156,61 @@ def test_activation_estimate_under_bf16_is_close_to_cpu_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         real = saved_bytes(model, TokenCrossEntropy(), batch)
     weight_copies = autocast_copy_bytes(model, torch.bfloat16)  # saved too, but counted as static
-    assert plain.at(4) == pytest.approx(real - weight_copies, rel=0.1)
+    assert plain.device.at(4) == pytest.approx(real - weight_copies, rel=0.1)
+
+
+class Made(TorchDispatchMode):
+    """Bytes of the outputs of the aten ops named ``ops`` (by overload packet name)."""
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.ops, self.bytes = ops, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.ops:
+            self.bytes[name] = self.bytes.get(name, 0) + out.untyped_storage().nbytes()
+        return out
+
+
+def test_the_loss_backward_is_planned_as_the_real_backward_allocates_it():
+    """A language model's step peaks at the start of backward: nll_loss's backward makes an fp32
+    gradient the size of the logits while everything saved is held, and log-softmax's backward
+    another (fp32 under bf16 autocast: the loss upcasts). The plan's transient is those bytes."""
+    vocab, seq, micro = 4096, 16, 2
+
+    def make():
+        return GPT(vocab_size=vocab, seq_len=seq, n_layer=1, n_head=2, d_model=16)
+    with torch.device("meta"):
+        meta = make()
+    plain = activation_estimates(meta, TokenCrossEntropy(), seq, torch.bfloat16, Checkpointing())[0]
+    ids = torch.randint(0, vocab, (micro, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = TokenCrossEntropy()(make(), {"input_ids": ids, "labels": ids.roll(-1, 1)})
+    made = Made("nll_loss_backward", "_log_softmax_backward_data")
+    with made:
+        loss.backward()
+    assert made.bytes == {"nll_loss_backward": micro * seq * vocab * 4, "_log_softmax_backward_data": micro * seq * vocab * 4}
+    assert plain.transient.at(micro) == sum(made.bytes.values())
+    assert plain.transient.per_sample == 2 * seq * vocab * 4 and plain.transient.fixed == 0
+
+
+def test_the_peak_of_a_checkpointed_bf16_lm_is_the_loss_backward_without_the_blocks_copies():
+    """Under +checkpointing=blocks the blocks' 16-bit weight copies live to the end of forward
+    (autocast's cache) but not into backward; offload packs them to host memory."""
+    over = ("data=random", "data.vocab_size=4096", "model.seq_len=64", "batch_size=8", "+precision=bf16")
+    blocks = build_plan(compose_with(*over, "+checkpointing=blocks"), memory=2**30)
+    with torch.device("meta"):
+        model = GPT(vocab_size=4096, seq_len=64, n_layer=4, n_head=4, d_model=128)
+    linears = [m for b in model.blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    in_blocks = sum(2 * p.numel() for m in linears for p in m.parameters())
+    assert blocks.copies_freed == in_blocks and blocks.copies == in_blocks + 2 * 4096 * 128  # the tied head stays
+    use = blocks.activations
+    assert use.transient.at(8) == 2 * 8 * 64 * 4096 * 4 > use.device.at(8)  # the loss's, more than all saved
+    assert blocks.peak(8) == (blocks.weights + blocks.optim_state + blocks.copies - in_blocks + use.device.at(8)
+                              + use.transient.at(8))
+    assert blocks.uses["offload"].host.fixed == in_blocks  # the copies, packed once per forward
 
 
 def compose_with(*overrides):
