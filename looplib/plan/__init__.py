@@ -10,7 +10,10 @@ Prints, for the job ``python -m looplib.train <overrides>`` would run, where the
   selective, offload: on the device and, offloaded, in host memory), measured by running the
   model on the meta device (no memory, no compute) with attention counted as a fused kernel
   saves it (q, k, v, output, logsumexp); on the CPU within 5% of the bytes a real forward
-  holds for backward (``tests/test_activation_memory.py``);
+  holds for backward (``tests/test_activation_memory.py``); and what backward allocates on top
+  at most: one chosen module recomputed or brought back, or the cross-entropy's backward (two
+  gradients the size of the fp32 logits, with everything saved still held: GBs for a large
+  vocabulary);
 - per rank under DeepSpeed ZeRO 1/2/3, with and without offload, and under FSDP2 (shards plus
   the largest unit gathered whole), for ``--world-size`` ranks;
 
