@@ -222,8 +222,8 @@ def strategy_bytes(s: Saved) -> dict[str, tuple[int, int, int]]:
     largest = max((size for size, owner in s.saved.values() if owner is not None), default=0)
     loss = s.loss_backward
     return {"none": (s.total, loss, 0),
-            "blocks": (sum({**outside, **inputs}.values()), max(max(inside.values(), default=0), loss), 0),
-            "selective": (sum({**outside, **inputs, **kept}.values()), max(max(recomputed.values(), default=0), loss), 0),
+            "blocks": (sum({**outside, **inputs}.values()), max(*inside.values(), 0, loss), 0),
+            "selective": (sum({**outside, **inputs, **kept}.values()), max(*recomputed.values(), 0, loss), 0),
             "offload": (sum(outside.values()), max(largest, loss), sum(inside.values()))}
 
 
