@@ -67,6 +67,11 @@ def test_changed_data_under_a_checkpoint_is_refused_and_the_trained_tokenizer_is
                    "start a new run in a new directory")
     assert "step-00000002" in line
     assert files_of(run) == before and files_of(tmp_path / "cache") == cached
+    # sampling the run on the edited data: refused too (a retrained tokenizer: other ids, silently)
+    refused(run_cli(str(run), "--tokens", "4", cwd=tmp_path, env=cache, module="looplib.generate"),
+            "RUN_DIR: the training data and the held-out data differ", "doc03.txt edited",
+            "its tokenizer and prompts would not be the ones its weights learned")
+    assert files_of(tmp_path / "cache") == cached
     (corpus / "doc03.txt").write_text(original)
     (corpus / "doc05.txt").unlink()
     refused(run_cli(*args, "max_steps=4", "resume=auto", cwd=tmp_path, env=cache), "doc05.txt missing")
@@ -84,6 +89,10 @@ def test_changed_data_under_a_checkpoint_is_refused_and_the_trained_tokenizer_is
     assert "training a 300-token byte-level BPE" not in r.stdout + r.stderr
     assert (trained / "tokenizer.json").read_bytes() == copy  # put back from the checkpoint
     assert len(losses(run)) == 4
+    (trained / "tokenizer.json").unlink()  # and looplib.generate takes the checkpoint's copy too
+    r = run_cli(str(run), "--tokens", "4", cwd=tmp_path, env=cache, module="looplib.generate")
+    assert r.returncode == 0 and "training a 300-token" not in r.stdout + r.stderr, r.stderr
+    assert (trained / "tokenizer.json").read_bytes() == copy
 
 
 def test_a_changed_tokenizer_file_under_a_checkpoint_is_refused(tmp_path, cache):

@@ -33,13 +33,25 @@ def hf_directory(run_dir: Path) -> Path | None:
 
 
 def run_corpus(run_dir: Path):
-    """The run's data, rebuilt from its config.yaml (tokenised once: the cache answers)."""
-    import hydra
+    """The run's data, rebuilt from its config.yaml (tokenised once: the cache answers), held to
+    the identity its newest checkpoint recorded: data changed since the run trained are refused
+    (a tokenizer trained on them would give other ids to its embeddings), and a tokenizer the run
+    trained is never trained again (the cache's copy or the checkpoint's)."""
     from omegaconf import OmegaConf
+
+    from ..data import identity
+    from ..run.resume import expected_identity
+    from .instantiate import instantiate
     config = run_dir / "config.yaml"
     if not config.is_file():
         return None
-    return hydra.utils.instantiate(OmegaConf.load(config).data)
+    found = expected_identity("auto", run_dir)
+    words = found and identity.Expected(
+        found.fingerprint, found.checkpoint, key="RUN_DIR",
+        consequence="so its tokenizer and prompts would not be the ones its weights learned",
+        fix="put the files back as they were (or give --prompt to a run exported for transformers, hf/)")
+    with identity.expecting(words):
+        return instantiate(OmegaConf.load(config), "data")
 
 
 def run_config(run_dir: Path) -> dict:
@@ -172,7 +184,7 @@ def generate_bundled(run_dir: Path, prompt: str | None, args, device: torch.devi
     model = hydra.utils.instantiate(cfg.model)
     load_model(model, str(weights))
     model.to(device).eval()
-    corpus = hydra.utils.instantiate(cfg.data)
+    corpus = run_corpus(run_dir)
     chat = bool(getattr(corpus, "chat_records", False)) and not args.raw
     if prompt is None:
         prompt = corpus.sample_prompt() if hasattr(corpus, "sample_prompt") else "\n"

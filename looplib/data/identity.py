@@ -55,9 +55,14 @@ def digest_of(value) -> str | None:
 
 @dataclass
 class Expected:
-    """The fingerprint of the checkpoint a run is about to resume."""
+    """The fingerprint of the checkpoint a run is about to resume (or that ``python -m
+    looplib.generate`` reads a run's data for: ``key``, ``consequence`` and ``fix`` word its refusal)."""
     fingerprint: dict
     checkpoint: Path
+    key: str = "resume"
+    consequence: str = "so its weights would continue on other data"
+    fix: str = ("put the files back as they were to continue this run, or start a new run in a new directory "
+                "(without resume)")
 
     def get(self, key: str):
         return self.fingerprint.get(key)
@@ -89,7 +94,7 @@ def check(now: dict) -> None:
     """Refuse (``ConfigError``) when the parts in ``now`` differ from the checkpoint's being resumed."""
     e = expected()
     if e is not None:
-        refuse({k: e.get(k) for k in now if k in e.fingerprint}, now, e.checkpoint)
+        refuse({k: e.get(k) for k in now if k in e.fingerprint}, now, e.checkpoint, e)
 
 
 def changed(saved: dict | None, now: dict | None) -> list[str]:
@@ -100,18 +105,19 @@ def changed(saved: dict | None, now: dict | None) -> list[str]:
     return [k for k in keys if k in saved and k in now and digest_of(saved[k]) != digest_of(now[k])]
 
 
-def refuse(saved: dict | None, now: dict | None, checkpoint: Path) -> None:
-    """One line naming what changed since ``checkpoint`` (the files, where known) and the way out."""
+def refuse(saved: dict | None, now: dict | None, checkpoint: Path, words: Expected | None = None) -> None:
+    """One line naming what changed since ``checkpoint`` (the files, where known) and the way out
+    (``words``: the setting, consequence and fix to say; a resume's by default)."""
     parts = changed(saved, now)
     if not parts:
         return
     what = [WHAT.get(k, f"the data's {k}") for k in parts]
     named = " and ".join([", ".join(what[:-1]), what[-1]] if len(what) > 1 else what)
     files = file_changes(saved, now, parts)
-    raise ConfigError("resume", f"{named} differ{'s' if len(what) == 1 else ''} from {'that' if len(what) == 1 else 'those'} "
-                      f"the checkpoint {checkpoint} was trained on{f' ({files})' if files else ''}, so its weights would "
-                      "continue on other data", "put the files back as they were to continue this run, or start a new "
-                      "run in a new directory (without resume)")
+    words = words or Expected({}, checkpoint)
+    raise ConfigError(words.key, f"{named} differ{'s' if len(what) == 1 else ''} from {'that' if len(what) == 1 else 'those'} "
+                      f"the checkpoint {checkpoint} was trained on{f' ({files})' if files else ''}, {words.consequence}",
+                      words.fix)
 
 
 def file_changes(saved: dict, now: dict, parts: list[str]) -> str:
