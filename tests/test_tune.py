@@ -64,7 +64,7 @@ def test_search_measures_micro_batch_and_checkpointing(searched):
         assert sum(parts.values()) == pytest.approx(x["job_s"], rel=0.1)  # mean parts, geometric mean total
         for run in x["runs"]:  # two evaluations (the first, and a later one) and the checkpoint save, timed
             assert len(run["evals_s"]) == 2 and run["save_s"] > 0 and run["total_s"] > run["startup_s"] > 0
-    assert result["objective"] == "300 steps, 3 evaluation(s) of 8 batches, 3 checkpoint save(s), a sample of 8 tokens"
+    assert result["objective"] == "300 steps, 3 evaluation(s) of up to 512 held-out samples, 3 checkpoint save(s), a sample of 8 tokens"
     # measured once each (no finals here): a verdict without an interval, never "faster"
     assert all(x["verdict"] == "measured once" for x in measured if x["candidate"] != "as given")
     assert result["best"]["candidate"] == "as given" and result["rounds"] == 0

@@ -64,7 +64,8 @@ class JobPlan:
     def describe(self) -> str:
         parts = [f"{self.max_steps} steps"]
         if self.evaluations():
-            parts.append(f"{self.evaluations()} evaluation(s) of {self.eval_samples or 'every held-out'} samples")
+            parts.append(f"{self.evaluations()} evaluation(s) of " + (f"up to {self.eval_samples} held-out samples"
+                                                                     if self.eval_samples else "every held-out sample"))
         if self.saves():
             parts.append(f"{self.saves()} checkpoint save(s)")
         if self.sample_tokens:
