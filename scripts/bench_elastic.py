@@ -3,7 +3,7 @@ from that checkpoint on 1, 2 and 4 processes and under the other engines it can 
 set against the uninterrupted 2-process run: the largest relative loss difference over the later
 steps, the largest absolute weight difference, and the line the resume said.
 
-    python scripts/bench_elastic.py --out results/cpu-elastic            # DDP, FSDP2, DeepSpeed ZeRO-2
+    python scripts/bench_elastic.py --out results/cpu-elastic            # DDP, FSDP2, DeepSpeed ZeRO-2 and -3
     python scripts/bench_elastic.py --engines ddp --out /tmp/elastic     # one engine
 
 The tests (tests/test_engines_ddp.py, test_engines_fsdp.py, test_elastic.py) hold a subset of
@@ -27,11 +27,13 @@ from safetensors.torch import load_file
 JOB = ["data=random", "max_steps=6", "log_every=1", "eval_every=0", "eval_samples=4", "sample_tokens=0",
        "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "batch_size=4",
        "accum_steps=2", "checkpoint.every_steps=2", "checkpoint.keep=5", "progress=lines"]
-ENGINES = {"ddp": ["+engine=ddp"], "fsdp": ["+engine=fsdp"], "deepspeed": ["+engine=deepspeed", "engine.stage=2"]}
+ENGINES = {"ddp": ["+engine=ddp"], "fsdp": ["+engine=fsdp"], "deepspeed": ["+engine=deepspeed", "engine.stage=2"],
+           "zero3": ["+engine=deepspeed", "engine.stage=3"]}
 # where each engine's checkpoint may be resumed (DeepSpeed's partitions load under DeepSpeed only)
 TARGETS = {"ddp": [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 1)],
            "fsdp": [("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("ddp", 2), ("ddp", 1)],
-           "deepspeed": [("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 4)]}
+           "deepspeed": [("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 4)],
+           "zero3": [("zero3", 1), ("zero3", 4)]}
 
 
 def launch(engine: str, nproc: int, extra: list[str], run_dir: Path) -> subprocess.CompletedProcess:
@@ -60,7 +62,7 @@ def compare(ref: Path, run: Path) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="ddp,fsdp,deepspeed")
+    parser.add_argument("--engines", default="ddp,fsdp,deepspeed,zero3")
     parser.add_argument("--out", type=Path, default=Path("elastic_bench"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({**row, "status": "failed", "error": done.stderr.strip().splitlines()[-1:]})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            said = re.findall(r"resume: [^\n]*", done.stdout)
+            said = re.findall(r"resume: (?:\d+ -> \d+ processes|engine )[^\n]*", done.stdout)
             loss, weight = compare(ref, run)
             rows.append({**row, "status": "ok", "said": said[0] if said else "(nothing changed: nothing said)",
                          "max_loss_rel": loss, "max_weight_abs": weight})

@@ -143,7 +143,7 @@ DS = ["+engine=deepspeed", "engine.stage=2", *QUICK, "batch_size=4", "checkpoint
 
 
 def test_deepspeed_zero2_resumes_on_one_process_through_a_universal_checkpoint(tmp_path):
-    """ZeRO-2 on 2 processes, resumed from step 2 with the same command by one: DeepSpeed's own
+    """ZeRO-2 on 2 processes, resumed from step 2 with the same command by one and by four: DeepSpeed's own
     ds_to_universal converts the partitions (in a temporary directory, removed afterwards), the
     accumulation doubles, the losses and weights are the 2-process run's. The same checkpoint
     under DDP is refused before any engine is set up, and so is a DDP checkpoint under DeepSpeed
@@ -160,9 +160,14 @@ def test_deepspeed_zero2_resumes_on_one_process_through_a_universal_checkpoint(t
     assert "step-00000002 made into a universal checkpoint for 1 process(es) (ds_to_universal" in r.stdout
     # made in this run's checkpoint directory, removed once loaded; the other run's left as it was
     assert not list((one / "checkpoints").glob(".tmp-*")) and sorted(p.relative_to(full) for p in full.rglob("*")) == before
+    four = tmp_path / "four"
+    r = torchrun(*DS, f"resume={step2}", f"hydra.run.dir={four}", cwd=tmp_path, nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resume: 2 -> 4 processes: accum_steps 2 -> 1, global batch 16 kept" in r.stdout
     want = losses(full)
-    assert losses(one) == pytest.approx({3: want[3], 4: want[4]}, rel=1e-5)
-    same_weights(full, one, atol=1e-5)
+    for run in (one, four):
+        assert losses(run) == pytest.approx({3: want[3], 4: want[4]}, rel=1e-5)
+        same_weights(full, run, atol=1e-5)
 
     r = run_cli(*[a for a in DS if not a.startswith(("+engine", "engine."))], "+engine=ddp", f"resume={step2}",
                 f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)

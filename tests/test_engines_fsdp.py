@@ -112,8 +112,12 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
                  f"hydra.run.dir={ddp}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resume: engine fsdp -> ddp: global batch 16 kept" in r.stdout
+    four = tmp_path / "four"  # and on four: the accumulation halves
+    r = torchrun(*FSDP, "batch_size=4", f"resume={ckpt}", f"hydra.run.dir={four}", cwd=tmp_path, nproc=4)
+    assert r.returncode == 0, r.stderr
+    assert "resume: 2 -> 4 processes: accum_steps 2 -> 1, global batch 16 kept" in r.stdout
     ref_losses = losses(ref)
-    for run in (one, ddp):
+    for run in (one, ddp, four):
         assert losses(run) == pytest.approx({s: ref_losses[s] for s in (5, 6)}, rel=1e-5)
         c = load_file(run / "model.safetensors")
         for k in a:
