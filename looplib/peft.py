@@ -168,6 +168,11 @@ class QLoRA(LoRA):
                  target_modules: list[str] | tuple[str, ...] | None = None,
                  bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False,
                  quant_type: Literal["nf4", "fp4"] = "nf4", double_quant: bool = True):
+        import importlib.util
+        missing = [name for name in ("peft", "bitsandbytes") if importlib.util.find_spec(name) is None]
+        if missing:  # both named at once: not one install, then another refusal
+            raise ConfigError("peft", f"+peft=qlora needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                              "not installed", "pip install 'looplib[peft,bnb]', or use +peft=lora (needs peft only)")
         super().__init__(r, alpha, dropout, target_modules, bias, merge)
         from .optim import import_bitsandbytes
         self.bnb = import_bitsandbytes("peft", "+peft=qlora", "use +peft=lora")

@@ -226,3 +226,16 @@ def test_on_cuda_qlora_quantises_on_the_device_and_trains_in_bf16(tmp_path):
     assert all(full[f"{n}.weight"].device.type == "cpu" for n, m in result.model.named_modules() if is_4bit(m))
     largest = max(m.weight.numel() * 2 * 4 for m in layers)  # packed: 2 weights a byte; fp32 out
     assert torch.cuda.max_memory_allocated() - before <= 2 * largest
+
+
+def test_missing_packages_are_named_together(monkeypatch):
+    """Without peft and bitsandbytes, +peft=qlora names both and the one install that brings them."""
+    import importlib.util
+    from looplib.peft import QLoRA
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("peft", "bitsandbytes") else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        QLoRA()
+    assert str(err.value) == ("peft: +peft=qlora needs peft and bitsandbytes, which are not installed; "
+                              "pip install 'looplib[peft,bnb]', or use +peft=lora (needs peft only)")
