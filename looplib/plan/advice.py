@@ -76,6 +76,10 @@ def engine_choice(plan: Plan, usable: int) -> list[str]:
     if model_state + act <= usable:
         return [f"engine: the model state ({human(model_state)}) fits one device: +engine=ddp over "
                 f"{plan.world} rank(s) (every rank holds everything; one all-reduce per step)"] if plan.world > 1 else []
+    if plan.four_bit:  # FSDP and DeepSpeed refuse a 4-bit base: no sharding to recommend
+        return [f"the model state ({human(model_state)}) with its activations does not fit one device, and a "
+                "4-bit base (+peft=qlora) cannot be sharded (FSDP, DeepSpeed refuse it): a device with more "
+                "memory, a shorter sequence or a smaller base"]
     p, g, o = plan.zero_layout()
     head = f"the model state alone ({human(model_state)}) does not fit: "
     unit = f"(shards + the largest unit, {plan.fsdp_unit[0]}, gathered)"

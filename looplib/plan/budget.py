@@ -42,6 +42,7 @@ class Plan:
     uses: dict[str, ActivationUse] = field(default_factory=dict)  # every strategy: none, blocks, selective, offload
     strategy: str = "none"                         # the configured one
     copies_freed: int = 0                          # 16-bit copies the configured strategy does not hold into backward
+    four_bit: bool = False                         # a 4-bit base (+peft=qlora): FSDP and DeepSpeed refuse it
 
     def fsdp(self, offload: bool = False) -> int:
         """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
@@ -116,6 +117,8 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
                 uses=uses, strategy=kind)
     name, count = max(fsdp_units(model, blocks or BLOCKS), key=lambda u: u[1])
     plan.n_total = sum(p.numel() for p in unique_params(model))
+    from ..quantize import is_4bit
+    plan.four_bit = any(is_4bit(m) for m in model.modules())
     plan.fsdp_unit = (name, count * (2 if dtype in (torch.bfloat16, torch.float16) else 4))
     if chosen and dtype is not None:
         plan.copies_freed = autocast_copy_bytes(model, dtype, chosen)

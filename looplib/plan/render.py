@@ -38,17 +38,21 @@ def render(plan: Plan) -> str:
             mark = " (configured)" if name == plan.strategy else ""
             lines.append(f"  {name + mark:<22}{human(use.device.at(mb)):>14} +{human(use.transient.at(mb)):>12}"
                          f"{human(use.host.at(mb)) + ' host' if use.host.at(mb) else '':>20}")
-    p, g, o = plan.zero_layout()
-    lines.append(f"DeepSpeed ZeRO model state per rank, {plan.world} rank(s) "
-                 f"(params {human(p)}, grads {human(g)}, optimizer + master {human(o)}):")
-    lines.append(f"  {'stage':<10}{'on device':>20}{'optimizer offload':>20}{'+ param offload':>20}")
-    for stage in (0, 1, 2, 3):
-        cells = [zero_per_rank(p, g, o, plan.world, stage), zero_per_rank(p, g, o, plan.world, stage, True)]
-        cells.append(zero_per_rank(p, g, o, plan.world, stage, True, True) if stage == 3 else None)
-        lines.append(f"  {stage:<10}" + "".join(f"{human(c) if c is not None else '-':>20}" for c in cells))
-    lines.append(f"FSDP2 (+engine=fsdp) per rank, {plan.world} rank(s): parameters, gradients and optimizer state "
-                 f"/ {plan.world} + 2 x the largest unit ({plan.fsdp_unit[0]}, {human(plan.fsdp_unit[1])}) = "
-                 f"{human(plan.fsdp())}; with engine.offload=cpu {human(plan.fsdp(offload=True))}")
+    if plan.four_bit:  # the engines that shard would refuse the packed base: no table for them
+        lines.append("DeepSpeed ZeRO and FSDP2: not with a 4-bit base (+peft=qlora), which they cannot shard; "
+                     "the local engine or +engine=ddp (each rank holds the whole base)")
+    else:
+        p, g, o = plan.zero_layout()
+        lines.append(f"DeepSpeed ZeRO model state per rank, {plan.world} rank(s) "
+                     f"(params {human(p)}, grads {human(g)}, optimizer + master {human(o)}):")
+        lines.append(f"  {'stage':<10}{'on device':>20}{'optimizer offload':>20}{'+ param offload':>20}")
+        for stage in (0, 1, 2, 3):
+            cells = [zero_per_rank(p, g, o, plan.world, stage), zero_per_rank(p, g, o, plan.world, stage, True)]
+            cells.append(zero_per_rank(p, g, o, plan.world, stage, True, True) if stage == 3 else None)
+            lines.append(f"  {stage:<10}" + "".join(f"{human(c) if c is not None else '-':>20}" for c in cells))
+        lines.append(f"FSDP2 (+engine=fsdp) per rank, {plan.world} rank(s): parameters, gradients and optimizer state "
+                     f"/ {plan.world} + 2 x the largest unit ({plan.fsdp_unit[0]}, {human(plan.fsdp_unit[1])}) = "
+                     f"{human(plan.fsdp())}; with engine.offload=cpu {human(plan.fsdp(offload=True))}")
     lines.append("recommendations:")
     lines += [f"  - {r}" for r in recommendations(plan)]
     return "\n".join(lines)
