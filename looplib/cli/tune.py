@@ -181,16 +181,29 @@ class Progress:
 
 
 def run(argv: list[str]) -> int:
+    from ..tune.measure import World
+    from .args import normalise
+
+    cmd = split(argv)
+    cmd.job = normalise(cmd.job)  # precision=bf16 and +precision=bf16 alike, as python -m looplib.train takes them
+    world = World() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    try:
+        status = tuned(cmd, world)
+    except BaseException:
+        if world is not None:  # the other ranks may be inside a collective: no barrier to wait on
+            world.close(together=False)
+        raise
+    if world is not None:
+        world.close()
+    return status
+
+
+def tuned(cmd: Command, world) -> int:
+    """The search of ``cmd`` (``world``: the tuners' process group under torchrun, or None)."""
     from .instantiate import check_config
     from ..engines.local import resolve_device
     from ..run.rundir import check as check_run_dir
     from ..run.signals import Signals
-    from ..tune.measure import World
-
-    cmd = split(argv)
-    from .args import normalise
-    cmd.job = normalise(cmd.job)  # precision=bf16 and +precision=bf16 alike, as python -m looplib.train takes them
-    world = World() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     size, main = (world.size, world.rank == 0) if world else (1, True)
     cfg = compose(cmd.job)
     settings = check_config(cfg)

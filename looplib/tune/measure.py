@@ -198,3 +198,14 @@ class World:
         box = [obj]
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def close(self, together: bool = True) -> None:
+        """Leave the group; ``together`` (a search that ended normally on every rank): all ranks at
+        once, so that no rank's gloo threads outlive the store rank 0's exit takes down (that rank
+        aborted at exit now and then: "terminate called without an active exception")."""
+        if self.dist.is_initialized():
+            try:
+                if together:
+                    self.dist.barrier()
+            finally:
+                self.dist.destroy_process_group()
