@@ -31,7 +31,32 @@ def run(main, argv: list[str] | None = None) -> None:
 def train() -> None:
     """The ``looplib-train`` console script: ``python -m looplib.train``, the same arguments."""
     from .main import main
-    run(main)
+    try:
+        run(main)
+    except SystemExit as stop:
+        leave(stop.code)
+    leave(0)
+
+
+def leave(code) -> None:
+    """Exit with ``code`` (as ``sys.exit`` takes it). One rank of several (``WORLD_SIZE`` > 1) runs
+    its exit handlers and ends without the interpreter's finalisation: there gloo's C++ threads,
+    still joinable after every process group was destroyed, aborted a rank now and then
+    ("terminate called without an active exception", exit -6 under torchrun; seen in CI), so a
+    run or sweep that finished would be reported failed."""
+    import os
+    import sys
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    import atexit
+    atexit._run_exitfuncs()  # what the interpreter would run first: trackers, joblib, temporary files
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def __getattr__(name: str):
