@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import random_tokens, run_cli, tiny_gpt
+from dist_workers import Masked  # random tokens, labels divisible by 3 masked: uneven token counts
 from looplib import train_model
 from looplib.data import TextCorpus, held_out
 from looplib.engines import Engine
@@ -153,21 +154,6 @@ def test_eval_batches_is_refused_naming_eval_samples(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-class Masked(torch.utils.data.Dataset):
-    """Random tokens whose labels divisible by 3 carry no loss: batches hold different token counts."""
-
-    def __init__(self, n):
-        self.data = random_tokens(n, seed=3)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        sample = dict(self.data[i])
-        sample["labels"] = sample["labels"].masked_fill(sample["labels"] % 3 == 0, -100)
-        return sample
-
-
 def eval_loss(model, data, samples, batch_size):
     return evaluate(model, held_out(data, samples, batch_size=batch_size), TokenCrossEntropy(), FP32(), Engine("cpu"))
 
@@ -175,7 +161,7 @@ def eval_loss(model, data, samples, batch_size):
 def test_the_held_out_loss_is_the_same_for_any_batch_size():
     """Token-weighted over a fixed set: batch 4 and 8 (and 3, a short last batch) agree to 1e-6,
     and equal the sum of every token's loss over the set divided by the token count."""
-    model, data = tiny_gpt(), Masked(21)
+    model, data = tiny_gpt(), Masked(random_tokens(21, seed=3))
     got = [eval_loss(model, data, 15, b) for b in (4, 8, 3)]
     assert got[1] == pytest.approx(got[0], abs=1e-6) and got[2] == pytest.approx(got[0], abs=1e-6)
     chosen = [i * 21 // 15 for i in range(15)]
@@ -188,7 +174,7 @@ def test_the_held_out_loss_is_the_same_for_any_batch_size():
 def test_every_rank_gets_an_equal_share_of_the_held_out_set():
     """Two ranks: shares of the same 15 sequences, padded to as many batches each; the padding
     carries no loss. The union is the one-process set."""
-    data = Masked(21)
+    data = Masked(random_tokens(21, seed=3))
     one = [s for b in held_out(data, 15, batch_size=4) for s in b["input_ids"]]
     shares = [held_out(data, 15, batch_size=4, rank=r, world=2) for r in (0, 1)]
     assert [len(s) for s in shares] == [2, 2]
