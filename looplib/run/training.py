@@ -4,7 +4,6 @@ and the end-of-run sample. ``looplib.run.lifecycle.execute`` calls it once the j
 """
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import time
@@ -17,7 +16,7 @@ from ..atomic import write_atomic
 from ..data import Epochs, build_loader, held_out as held_out_batches, identity
 from ..data.loading import small_data
 from ..errors import EXIT_INTERRUPTED
-from ..loggers import Run, logged_steps
+from ..loggers import JsonLines, Run, logged_steps
 from ..loop import fit
 from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
@@ -123,8 +122,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
             with signals.at_once():  # a signal stops the sample at once; the run ends as finished
                 print_sample(job, s.sample_tokens, run_dir)  # every rank generates (ZeRO-3 gathers), rank 0 prints
             if engine.is_main and metrics is not None and not signals.requested:  # its seconds, after the rows
-                with open(metrics, "a") as f:
-                    f.write(json.dumps({"step": state.step, "sample_s": round(time.perf_counter() - t0, 3)}) + "\n")
+                rows = JsonLines(metrics)  # metrics.jsonl's own writer (telemetry closed it above)
+                rows.log({"step": state.step, "sample_s": round(time.perf_counter() - t0, 3)})
+                rows.finish()
     trained.eval_loss = telemetry.last_row.get("eval_loss")
     if run_dir is not None:
         log.info("done: %s", run_dir)
