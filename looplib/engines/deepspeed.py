@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -41,6 +41,8 @@ from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory, built_class
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
 from . import launch
+from .deepspeed_adapters import DeepSpeedPrecision, StepHooks
+from .deepspeed_universal import fix_universal_groups, universal
 from .distributed import Distributed, class_name
 from .local import Prepared
 
@@ -312,141 +314,6 @@ class DeepSpeed(Distributed):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         return client_state
-
-
-def fix_universal_groups(optimizer, built: list[dict], client_state: dict | None) -> None:
-    """Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py,
-    load_hp_checkpoint_state_from_checkpoint_dir_stage3), put right: it gives every param group
-    the hyperparameters of the first (looplib's groups differ: no weight decay on biases, norms,
-    embeddings), so each gets its own back, with the learning rate the schedule had reached (the
-    client state's); and it hands one ``step`` tensor to every partition, which torch's Adam then
-    counts up once per partition per step, so each gets its own (found by a 2 -> 1 process resume
-    that drifted from the uninterrupted run by 1e-4 after one step, in the second group only).
-    Harmless where nothing slipped (ZeRO 1-2)."""
-    last_lr = ((client_state or {}).get("scheduler") or {}).get("_last_lr") or []
-    for i, (group, own) in enumerate(zip(optimizer.param_groups, built)):
-        group.update({k: v for k, v in own.items() if k != "lr"})
-        if i < len(last_lr):
-            group["lr"] = last_lr[i]
-    for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-
-
-@contextmanager
-def universal(checkpoint: Path, scratch: Path, main: bool, world: int):
-    """DeepSpeed's own universal checkpoint of ``checkpoint`` (``deepspeed.checkpoint.ds_to_universal``:
-    each parameter's fp32 weights and optimizer state whole, which ZeRO partitions again over any
-    number of processes), made by rank 0 in a temporary directory in ``scratch`` (``.tmp-*``: a
-    leftover is removed by the next checkpoint's rotation), read by every rank (``(root, tag)``
-    for ``DeepSpeedEngine.load_checkpoint``), removed afterwards."""
-    import argparse
-    import io
-    import shutil
-    import tempfile
-    import time
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from deepspeed.checkpoint.ds_to_universal import main as to_universal
-
-    made, error = None, None
-    if main:
-        t0 = time.perf_counter()
-        scratch.mkdir(parents=True, exist_ok=True)
-        made = Path(tempfile.mkdtemp(dir=scratch, prefix=f".tmp-universal-{checkpoint.name}-"))
-        args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(made / checkpoint.name),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True)  # one worker: no processes forked from a rank
-        said = io.StringIO()
-        try:
-            with redirect_stdout(said), redirect_stderr(said):  # its progress bars
-                to_universal(args)
-        except Exception as err:  # noqa: BLE001 - every rank must hear of it
-            error = f"{type(err).__name__}: {err}"
-        else:
-            log.info("DeepSpeed: %s made into a universal checkpoint for %d process(es) (ds_to_universal, %.1f s)",
-                     checkpoint.name, world, time.perf_counter() - t0)
-    made, error = launch.broadcast_object((None if made is None else str(made), error))
-    try:
-        if error:
-            raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {checkpoint}: {error}")
-        yield Path(made), checkpoint.name
-        launch.barrier()  # every rank has read it
-    finally:
-        if main and made is not None:
-            shutil.rmtree(made, ignore_errors=True)
-
-
-class DeepSpeedPrecision(Precision):
-    """The precision the loop sees under DeepSpeed (chosen at assembly by ``DeepSpeed.precision_for``):
-    DeepSpeed scales, unscales, clips and steps, with the dtype and loss-scale settings of the
-    precision the job chose (``chosen``), which DeepSpeed's config is derived from.
-
-    The model is already in DeepSpeed's 16-bit format (bf16/fp16 sections), so no autocast;
-    the loss arrives divided by the window's items and is not divided again. Before ``prepare``
-    (``batch_size=auto``'s probe of the plain model) every verb is the chosen precision's."""
-
-    def __init__(self, engine: "DeepSpeed", chosen: Precision):
-        self.engine, self.chosen = engine, chosen
-        self.name = f"{getattr(chosen, 'name', 'custom')} (DeepSpeed)"
-        self.dtype, self.device = chosen.dtype, getattr(chosen, "device", None)
-        self.scaler_args = dict(getattr(chosen, "scaler_args", {}))
-
-    def setup(self, device) -> None:
-        pass  # the chosen precision was set up by precision_for
-
-    def close(self) -> None:
-        self.chosen.close()
-
-    def autocast(self):
-        return nullcontext() if self.engine.ds is not None else self.chosen.autocast()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.engine.ds is None:
-            return self.chosen.backward(loss)
-        self.engine.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
-
-    def unscale(self, optimizer) -> None:
-        if self.engine.ds is None:
-            self.chosen.unscale(optimizer)
-
-    def step(self, optimizer, grad_norm=None):
-        if self.engine.ds is None:
-            return self.chosen.step(optimizer, grad_norm)
-        self.engine.ds.step()                        # reduce, unscale, clip, update, zero
-        if self.engine.ds.was_step_applied():        # an fp16 overflow skips the update
-            self.engine.steps.stepped()
-        return None
-
-    def state_dict(self) -> dict:
-        return self.chosen.state_dict() if self.engine.ds is None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.engine.ds is None:
-            self.chosen.load_state_dict(state)
-
-
-class StepHooks:
-    """The optimizer as the loop sees it under DeepSpeed. ZeRO wraps the real optimizer and
-    fires its hooks more than once per update, so step hooks (the telemetry's count of real
-    updates) fire here, once per applied DeepSpeed step. Gradients are zeroed by DeepSpeed."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer, self.hooks = optimizer, []
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def register_step_post_hook(self, hook):
-        self.hooks.append(hook)
-
-    def stepped(self) -> None:
-        for hook in self.hooks:
-            hook(self, (), {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # DeepSpeedEngine.step() already did
 
 
 class CPUAdam(OptimizerFactory):
