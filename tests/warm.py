@@ -87,19 +87,36 @@ def main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str, 
     os._exit(code)
 
 
-def run(module: str, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="looplib-warm-") as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        for path in (out, err):
+class Started:
+    """A command running in a fork of the warm interpreter (``start``); ``wait`` gives its result."""
+
+    def __init__(self, module: str, args: list[str], cwd, env: dict):
+        self.tmp = tempfile.TemporaryDirectory(prefix="looplib-warm-")
+        self.out, self.err = os.path.join(self.tmp.name, "out"), os.path.join(self.tmp.name, "err")
+        for path in (self.out, self.err):
             open(path, "w").close()
-        proc = context().Process(target=main, args=(module, list(args), str(cwd), dict(env), out, err,
-                                                             fresh_path()))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired([module, *args], timeout)
-        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-            return subprocess.CompletedProcess([sys.executable, "-m", module, *args], proc.exitcode,
-                                               f_out.read(), f_err.read())
+        self.argv = [sys.executable, "-m", module, *args]
+        self.proc = context().Process(target=main, args=(module, list(args), str(cwd), dict(env), self.out, self.err,
+                                                         fresh_path()))
+        self.proc.start()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            self.proc.join(timeout)
+            if self.proc.exitcode is None:
+                self.proc.kill()
+                self.proc.join()
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            with open(self.out, errors="replace") as f_out, open(self.err, errors="replace") as f_err:
+                return subprocess.CompletedProcess(self.argv, self.proc.exitcode, f_out.read(), f_err.read())
+        finally:
+            self.tmp.cleanup()
+
+
+def start(module: str, args: list[str], cwd, env: dict) -> Started:
+    """``python -m module args`` started in a fork of the warm interpreter, not waited for."""
+    return Started(module, args, cwd, env)
+
+
+def run(module: str, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return start(module, args, cwd, env).wait(timeout)

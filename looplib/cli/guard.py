@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ..engines import launch
 from ..errors import EXIT_CONFIG, ConfigError
+from ..run import lock
 from ..run.rundir import check, continued, latest_resumable, results, snapshot, write_exit_status
 from .entry import BOUNDARY
 from .sweep import SWEEPER
@@ -91,8 +93,26 @@ def check_resume_target(config: DictConfig) -> None:
                       f"continue it with: {command}")
 
 
+def own_scratch(config: DictConfig, key: str) -> None:
+    """Under a launcher, a rank other than 0 writes Hydra's files (``.hydra/``, its log) into a
+    scratch directory of its own, also when the command names the run directory itself
+    (``hydra.run.dir=DIR``): two ranks writing (or restoring) one ``.hydra/`` would collide, and
+    only rank 0 holds the directory (``looplib.run.lock``). Every rank trains into rank 0's
+    directory (``Engine.shared_run_dir``)."""
+    if launch.launched_rank() == 0 or launch.launched_world()[0] <= 1:
+        return
+    group, name = key.rsplit(".", 1)
+    node = OmegaConf.select(config, group)
+    with read_write(node), open_dict(node):
+        node[name] = launch.rank0_dir("")  # this rank's scratch directory
+
+
 class RunDirGuard(Callback):
-    """Checks the run (or sweep) directory before Hydra writes anything into it."""
+    """Checks the run (or sweep) directory before Hydra writes anything into it, and holds it
+    (``looplib.run.lock``, rank 0) until the run ends."""
+
+    def __init__(self):
+        self.held: Path | None = None
 
     def _check(self, config: DictConfig, key: str) -> None:
         path = as_rank0(config, key)
@@ -103,6 +123,8 @@ class RunDirGuard(Callback):
             check(path, None if resume is None else str(resume), key)
             if launch.launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
                 made(path, key)
+                lock.hold(path, key)  # a second run on it is refused here, before Hydra writes a byte
+                self.held = path
         except ConfigError as err:
             refuse(err)
 
@@ -112,9 +134,10 @@ class RunDirGuard(Callback):
         except ConfigError as err:
             refuse(err)
         self._check(config, "hydra.run.dir")
+        own_scratch(config, "hydra.run.dir")
         path = as_rank0(config, "hydra.run.dir")
-        if path is not None and results(path):  # an existing run, continued: what Hydra rewrites, kept
-            BOUNDARY.held = (path, snapshot(path))
+        if path is not None and launch.launched_rank() == 0 and results(path):
+            BOUNDARY.held = (path, snapshot(path))  # an existing run, continued: what Hydra rewrites, kept
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if OmegaConf.select(config, "hydra.sweeper._target_") == SWEEPER:
@@ -135,3 +158,6 @@ class RunDirGuard(Callback):
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
         BOUNDARY.in_job = False  # the next job's arguments are the command line's again
+        if self.held is not None and OmegaConf.select(config, "hydra.mode", default=None) != RunMode.MULTIRUN:
+            lock.release(self.held)  # the run is over (a sweep's directory is held until the process ends)
+            self.held = None

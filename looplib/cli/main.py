@@ -24,6 +24,7 @@ from ..peft import FullModel
 from ..run import rundir
 from ..run.assembly import Job, Parts, Record
 from ..run.lifecycle import assemble, execute
+from ..run.lock import DirectoryHeld
 from ..run.settings import Settings
 from ..run.signals import Signals
 from . import sweep
@@ -87,11 +88,12 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
     """The job, through the front door; every way it can end becomes one line and an exit status."""
     fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
     try:
-        execute(lambda: job_parts(cfg), run_dir, signals, fresh=fresh)
+        execute(lambda: job_parts(cfg), run_dir, signals, fresh=fresh,
+                key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir")
     except RunEnded as end:
         held = BOUNDARY.held
         if isinstance(end, (ConfigError, Interrupted, NothingToDo)) and not signals.training and held is not None \
-                and held[0] == run_dir.absolute():
+                and held[0] == run_dir.absolute() and not isinstance(end, DirectoryHeld):
             rundir.restore(*held)  # refused: the run it named is byte for byte as it was
         if end.line:
             print(end.line, file=sys.stderr, flush=True)

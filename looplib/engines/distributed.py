@@ -29,6 +29,9 @@ class Distributed(Engine):
         launch.start(self)
         launch.refuse_disagreement(config)
 
+    def from_main(self, obj):
+        return launch.broadcast_object(obj)
+
     def global_items(self, items: int) -> float:
         return launch.items_per_rank(items, self.device)
 

@@ -91,6 +91,10 @@ class Engine:
         """The run directory every rank writes to (rank 0's; one process: its own)."""
         return run_dir
 
+    def from_main(self, obj):
+        """Rank 0's ``obj`` (a small picklable value) on every rank (one process: ``obj``)."""
+        return obj
+
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
         return value

@@ -24,6 +24,7 @@ from ..data.identity import expecting
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError,
                       disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
+from .lock import DirectoryHeld, hold, release
 from .resume import expected_identity, plan
 from .rundir import forget, results
 from .settings import Settings
@@ -34,12 +35,24 @@ log = logging.getLogger("looplib")
 
 
 def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | None, signals: Signals, *,
-            fresh: bool = False, metrics: Path | None = None, export: bool = True) -> Trained:
+            fresh: bool = False, metrics: Path | None = None, export: bool = True, key: str = "run_dir") -> Trained:
     """Run the job that ``make`` describes (it raises ``ConfigError`` on a bad setting) in ``run_dir``
-    (None: nothing written but ``metrics``). ``fresh``: ``run_dir`` held nothing of a run before
+    (None: nothing written but ``metrics``), held for this run alone (``looplib.run.lock``; ``key``:
+    the setting that names it, in the refusal). ``fresh``: ``run_dir`` held nothing of a run before
     this one, so a run refused or stopped before training removes it whole. Returns what was
     trained when the run finished (or when a reason of its own stopped it early: a sweep's
     pruner); raises ``RunEnded`` otherwise."""
+    held: list[Path] = []  # the directory this process holds, released once the run has ended (and forgotten it)
+    try:
+        return run(make, run_dir, signals, fresh, metrics, export, key, held)
+    finally:
+        for path in held:
+            release(path)
+
+
+def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path | None, export: bool, key: str,
+        held: list[Path]) -> Trained:
+    """``execute``'s run (``held``: receives the run directory once held)."""
     parts = record = job = None
     try:
         try:
@@ -51,6 +64,7 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
                 if shared != run_dir:
                     forget(run_dir, fresh=True)  # this rank's scratch directory
                     run_dir, fresh = shared, fresh and not results(shared)
+                held += hold_for_ranks(parts.engine, run_dir, key)  # one run at a time, before anything is written
             elif metrics is not None and parts.engine.is_main:
                 metrics = fresh_file(metrics)
             # the checkpoint to continue from, and the split of its global batch on these processes:
@@ -71,7 +85,8 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
             raise
         if not isinstance(end, LostRank):
             end.line = ending(end, signals, record, run_dir)
-        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull)) and run_dir is not None:
+        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull)) and run_dir is not None \
+                and not isinstance(end, DirectoryHeld):  # another run's directory: not a byte of it is ours
             forget(run_dir, fresh)  # found before training: nothing of this run stays behind
         if end is err:
             raise
@@ -82,6 +97,22 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
         raise Interrupted(signals.signum, trained)
     job.engine.close()  # a collective (DDP, DeepSpeed): only when every rank got here
     return trained
+
+
+def hold_for_ranks(engine, run_dir: Path, key: str) -> list[Path]:
+    """Rank 0 holds ``run_dir`` for every rank (``looplib.run.lock``); every rank learns the outcome
+    from it, so a directory held by another run is refused alike everywhere. Returns what this
+    process holds ([run_dir], or [] where another rank holds it)."""
+    refusal = None
+    if engine.is_main:
+        try:
+            hold(run_dir, key)
+        except DirectoryHeld as err:
+            refusal = (err.key, err.problem, err.fix)
+    refusal = engine.from_main(refusal)
+    if refusal is not None:
+        raise DirectoryHeld(*refusal)
+    return [run_dir] if engine.is_main else []
 
 
 def assemble(parts: Parts, settings: Settings, record: Record) -> Job:

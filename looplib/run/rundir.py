@@ -23,8 +23,10 @@ from ..atomic import write_atomic
 from ..engines import launch
 from ..errors import ConfigError
 from .checkpoint_dir import step_dirs
+from .lock import LOCK_NAME
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
+NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.run.lock)
 
 
 def results(path: Path) -> list[str]:
@@ -34,7 +36,7 @@ def results(path: Path) -> list[str]:
     them before another rank looks)."""
     if not path.is_dir():
         return []
-    return sorted(p.name for p in path.iterdir() if p.name not in HYDRA_OWN and not p.name.endswith(".log")
+    return sorted(p.name for p in path.iterdir() if p.name not in NOT_RESULTS and not p.name.endswith(".log")
                   and not (p.is_dir() and not p.is_symlink() and not results(p)))
 
 

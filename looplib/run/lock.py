@@ -1,0 +1,148 @@
+"""One run per run directory: an OS file lock on ``<run dir>/.looplib.lock``.
+
+Two commands started on one directory (a job submitted twice, a requeue racing its own retry)
+would both train from step 0 and write over each other's checkpoints and metrics. So a run holds
+its directory from before it writes anything until it ends: ``hold`` takes an exclusive
+``flock`` on the lock file, and a second run is refused in one line naming the holder (host,
+process id, since when), exit status 2, having written nothing.
+
+- The kernel releases the lock when its process ends, however it ends (killed, out of memory):
+  a crashed run never leaves its directory held. The file stays behind only then; it holds no
+  state (the next run locks it again and writes its own name into it).
+- One thread holds a directory once: ``hold`` is re-entrant within the thread that holds it (the
+  command line's Hydra callback takes it before Hydra writes ``.hydra/``, ``looplib.run.lifecycle.execute``
+  again, for ``train_model``, a sweep's job and tune's candidates alike) and the last
+  ``release`` removes the file and unlocks it. Another thread of the same process (two
+  ``train_model`` calls at once) is refused like another process.
+- Several processes (torchrun): rank 0 holds the lock for every rank; the others learn the
+  outcome from it (``execute``: the engine's broadcast; the command line: the launch's board).
+- A file system without locks (Lustre mounted without ``flock``, NFS mounted ``nolock``):
+  a warning says two runs in one directory are not caught there, and the run goes on.
+
+What holds on shared file systems is in docs/run-directory.md.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+log = logging.getLogger("looplib")
+
+LOCK_NAME = ".looplib.lock"
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # the file system takes no locks
+
+
+class DirectoryHeld(ConfigError):
+    """Another run holds the run directory (refused; nothing of that run may be touched)."""
+
+
+class Held:
+    """This process's hold on one run directory (``count``: how many ``hold`` calls it answers)."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd, self.count, self.thread = path, fd, 1, threading.get_ident()
+
+
+_HELD: dict[Path, Held] = {}
+
+
+def lock_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LOCK_NAME
+
+
+def holder(fd: int) -> str:
+    """Who holds the lock, as its file says: ``host H, pid P, since T`` (the holder writes it just
+    after taking the lock: a moment later it may still be empty)."""
+    for _ in range(20):
+        try:
+            found = json.loads(os.pread(fd, 4096, 0).decode() or "null")
+        except (OSError, ValueError, UnicodeDecodeError):
+            found = None
+        if isinstance(found, dict):
+            return f"host {found.get('host')}, pid {found.get('pid')}, since {found.get('since')}"
+        time.sleep(0.05)
+    return "a process that has not said who it is yet"
+
+
+def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
+    """Hold ``run_dir`` for this run (made if missing: the lock file lives in it), or refuse
+    (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process."""
+    run_dir = Path(run_dir).absolute()
+    held = _HELD.get(run_dir)
+    if held is not None and held.thread == threading.get_ident():
+        held.count += 1
+        return held
+    if held is not None:
+        raise DirectoryHeld(key, f"{run_dir} is held by another run of this process (pid {os.getpid()}, another "
+                            "thread): two runs in one directory would write over each other's checkpoints and metrics",
+                            f"wait for that run to end, or give another directory ({key}=...)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_path(run_dir)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = holder(fd)
+                os.close(fd)
+                raise DirectoryHeld(key, f"{run_dir} is held by another run ({who}): two runs in one directory "
+                                    "would write over each other's checkpoints and metrics",
+                                    f"wait for that run to end, or give another directory ({key}=...)") from None
+            os.close(fd)
+            if err.errno not in NO_LOCKS:
+                raise
+            log.warning("the file system of %s takes no file locks (%s): a second run started in this directory "
+                        "would not be refused", run_dir, os.strerror(err.errno))
+            held = _HELD[run_dir] = Held(run_dir, None)
+            return held
+        try:  # the file we locked is still the one at the path (its last holder removes it on release)
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}).encode(), 0)
+    held = _HELD[run_dir] = Held(run_dir, fd)
+    return held
+
+
+def release(run_dir: Path) -> None:
+    """One ``hold`` of ``run_dir`` ended; the last one removes the lock file and unlocks it."""
+    run_dir = Path(run_dir).absolute()
+    held = _HELD.get(run_dir)
+    if held is None:
+        return
+    held.count -= 1
+    if held.count > 0:
+        return
+    del _HELD[run_dir]
+    if held.fd is not None:
+        lock_path(run_dir).unlink(missing_ok=True)  # before unlocking: a waiting run then makes a new one
+        os.close(held.fd)
+
+
+def holds(run_dir: Path) -> bool:
+    """Whether this process holds ``run_dir``."""
+    return Path(run_dir).absolute() in _HELD
+
+
+@atexit.register
+def release_all() -> None:
+    """At exit (the kernel would unlock anyway): the lock files of a run that ended go too."""
+    for run_dir in list(_HELD):
+        _HELD[run_dir].count = 1
+        release(run_dir)

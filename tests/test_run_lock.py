@@ -1,0 +1,103 @@
+"""One run per run directory (issue 34): an OS file lock taken before anything is written, a
+second run refused in one line naming the holder, exit status 2, nothing of the first touched."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import warm
+from conftest import random_tokens, tiny_gpt
+from looplib import train_model
+from looplib.run import lock
+from looplib.run.lock import DirectoryHeld
+
+JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=60", "log_every=1", "eval_every=0",
+       "eval_samples=4", "sample_tokens=0", "batch_size=4", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+       "model.seq_len=16", "progress=lines", "checkpoint.every_steps=10", "resume=auto"]
+
+
+def test_two_runs_started_at_once_on_one_directory_one_trains_the_other_is_refused(tmp_path):
+    """A job submitted twice: exactly one trains; the other exits 2 naming the holder (host, pid,
+    since when), and metrics.jsonl holds exactly one run's rows."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0", "OMP_NUM_THREADS": "1"}
+    args = [*JOB, f"hydra.run.dir={tmp_path / 'dup'}"]
+    started = [warm.start("looplib.train", args, tmp_path, env) for _ in range(2)]
+    ran = [s.wait(600) for s in started]
+    assert sorted(r.returncode for r in ran) == [0, 2], [r.stderr[-2000:] for r in ran]
+    refused = next(r for r in ran if r.returncode == 2)
+    said = [line for line in refused.stderr.splitlines() if line.startswith("looplib:")]
+    assert len(said) == 1 and said[0].startswith(f"looplib: error: hydra.run.dir: {tmp_path / 'dup'} is held by "
+                                                 "another run (host "), refused.stderr
+    assert ", pid " in said[0] and ", since 20" in said[0] and "give another directory" in said[0]
+    assert "Traceback" not in refused.stderr and "step 1/" not in refused.stdout + refused.stderr
+    rows = [json.loads(line) for line in (tmp_path / "dup" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    assert steps == list(range(1, 61))  # one run's rows, each step once
+    assert not (tmp_path / "dup" / lock.LOCK_NAME).exists()  # released at the end
+
+
+def test_train_model_on_a_held_directory_is_refused_and_writes_nothing(tmp_path):
+    """Another run (here another thread of this process) holds the directory: ``train_model`` is
+    refused naming it, before anything is written; once released, the same call trains."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)  # an earlier run's files, byte for byte afterwards
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    taken, done = threading.Event(), threading.Event()
+
+    def other_run():
+        lock.hold(run_dir, "run_dir")
+        taken.set()
+        done.wait(60)
+        lock.release(run_dir)
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    taken.wait(60)
+    try:
+        with pytest.raises(DirectoryHeld) as err:
+            train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=run_dir, resume="auto")
+        assert err.value.status == 2
+        assert str(err.value).startswith(f"run_dir: {run_dir} is held by another run of this process (pid {os.getpid()}")
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != lock.LOCK_NAME} == before
+    finally:
+        done.set()
+        holder.join()
+    assert not (run_dir / lock.LOCK_NAME).exists()
+    result = train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=run_dir, resume="auto",
+                         sample_tokens=0)
+    assert result.state.step == 2 and not lock.holds(run_dir)
+
+
+KILLED_HOLDER = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.write(fd, b'{"host": "h", "pid": 1, "since": "then"}')
+print("held", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_run_leaves_its_directory_free(tmp_path):
+    """The kernel releases the lock of a process that dies (here SIGKILL): its lock file stays, and
+    the next run takes it; while it lived, its name was what the refusal said."""
+    path = tmp_path / lock.LOCK_NAME
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_HOLDER, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    with pytest.raises(DirectoryHeld) as err:
+        lock.hold(tmp_path, "hydra.run.dir")
+    assert "is held by another run (host h, pid 1, since then)" in str(err.value)
+    proc.communicate("go\n", timeout=60)
+    assert proc.returncode == -9 and path.exists()
+    lock.hold(tmp_path, "hydra.run.dir")
+    try:
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    finally:
+        lock.release(tmp_path)
+    assert not path.exists()
