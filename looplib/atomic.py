@@ -7,18 +7,23 @@ flushed to disk (``write_file``, ``fsync_dir``) before the rename that makes it 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Replace ``path`` by ``data`` in one rename: a reader sees the old file or the new one."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers never share one
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def umask() -> int:

@@ -5,7 +5,8 @@ exit status the command line returns for it.
     0       finished            (no exception; a sweep's pruned trial also ends with 0)
     0       nothing to do       ``NothingToDo``: resumed at its max_steps already; nothing written
     1       a rank was lost     ``LostRank``: another process of the run died (killed, out of memory, a node)
-    2       refused             ``ConfigError``: a setting looplib cannot honour, found before it trains it
+    2       refused             ``ConfigError``: a setting looplib cannot honour, found before it trains it;
+                                ``PeerRefused``: another rank of the run refused it (its line said there)
     3       numeric             ``NumericError``: too many consecutive steps with inf/NaN
     74      I/O                 ``SaveError``: a checkpoint could not be written; the last complete one stays;
                                 ``DiskFull``: a disk filled up anywhere else (the token cache, the weights)
@@ -111,6 +112,17 @@ class LostRank(RunEnded, RuntimeError):
     """A collective failed because another rank of the run is gone."""
 
     status = EXIT_LOST_RANK
+
+
+class PeerRefused(RunEnded):
+    """Another rank of the run refused the job (``rank``; ``refusal``: its line, said there), so this
+    rank stops too, with the refusal's status (``looplib.engines.board``)."""
+
+    status = EXIT_CONFIG
+
+    def __init__(self, rank: int, refusal: str):
+        super().__init__(f"rank {rank} refused the job")
+        self.rank, self.refusal = rank, refusal
 
 
 def exit_status(signum: int | None) -> int:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
 
-from ..engines.launch import launched_rank, strip_launcher_args
-from ..errors import EXIT_CONFIG
+from ..engines import board
+from ..engines.launch import launched_world, strip_launcher_args
+from ..errors import EXIT_CONFIG, Interrupted
 from ..run import rundir
+from ..run.lifecycle import refused_line
 from .args import explain, follow_advice, normalise
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
@@ -85,9 +88,45 @@ def hydra_boundary():
         BOUNDARY.in_job = False
 
 
-def say(line: str) -> None:
-    if launched_rank() == 0:
+def refuse(line: str) -> None:
+    """A refusal before the job: said by the rank that refuses (identical lines from several ranks
+    once: ``looplib.engines.board``), its status in ``LOOPLIB_EXIT_FILE``, exit status 2."""
+    if board.post_refusal(line):
         print(line, file=sys.stderr, flush=True)
+    rundir.write_exit_status(EXIT_CONFIG, every_rank=True)
+    sys.exit(EXIT_CONFIG)
+
+
+@contextlib.contextmanager
+def stopped_before_the_job():
+    """Under a launcher, a signal before the job starts (the launcher stopping this rank because
+    another one exited) ends in looplib's line, not a silent death: the rank that refused, if one
+    did (``looplib.engines.board``), else the signal. The job's own handler replaces this one."""
+    if launched_world()[0] <= 1:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    except Interrupted as end:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # on its way out: a second signal changes nothing
+        peer = board.refusal()
+        line = refused_line(peer.rank) if peer is not None else \
+            f"looplib: stopped ({end}) before training started; nothing was saved"
+        if board.says(line):
+            print(line, file=sys.stderr, flush=True)
+        status = (peer or end).status
+        rundir.write_exit_status(status)
+        sys.exit(status)
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is stop:
+                signal.signal(sig, handler)
 
 
 def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
@@ -102,7 +141,7 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
             tried.add(tuple(args))
             sys.argv = [prog, *args]
             try:
-                with hydra_boundary():
+                with stopped_before_the_job(), hydra_boundary():
                     main()
                 return
             except Refused as refused:
@@ -111,9 +150,7 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
                 if fixed is None or tuple(fixed) in tried:
                     if os.environ.get(FULL_ERROR) == "1":
                         raise refused.err from None
-                    say(f"looplib: error: {explain(refused.err)}")
-                    rundir.write_exit_status(EXIT_CONFIG)
-                    sys.exit(EXIT_CONFIG)
+                    refuse(f"looplib: error: {explain(refused.err)}")
                 args = fixed
                 GlobalHydra.instance().clear()
             except SystemExit as stop:

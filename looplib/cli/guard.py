@@ -8,7 +8,6 @@ the job's own, reported by Hydra as always).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -16,19 +15,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ..engines import launch
-from ..errors import EXIT_CONFIG, ConfigError
+from ..errors import ConfigError
 from ..run import lock
-from ..run.rundir import check, continued, latest_resumable, results, snapshot, write_exit_status
+from ..run.rundir import check, continued, latest_resumable, results, snapshot
 from .entry import BOUNDARY
+from .entry import refuse as refuse_line
 from .sweep import SWEEPER
 
 
 def refuse(err: ConfigError) -> None:
-    """One line (rank 0), the exit status 2, before Hydra has written anything."""
-    if launch.launched_rank() == 0:
-        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
-    write_exit_status(EXIT_CONFIG)
-    sys.exit(EXIT_CONFIG)
+    """One line (said by the rank that refuses: ``looplib.cli.entry.refuse``), the exit status 2,
+    before Hydra has written anything."""
+    refuse_line(f"looplib: error: {err}")
 
 
 def made(path: Path, key: str) -> None:

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ..engines.launch import launched_world
-from ..errors import ConfigError, Interrupted, NothingToDo, RunEnded
+from ..errors import ConfigError, Interrupted, NothingToDo, PeerRefused, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
 from ..peft import FullModel
@@ -92,11 +92,13 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
                 key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir")
     except RunEnded as end:
         held = BOUNDARY.held
-        if isinstance(end, (ConfigError, Interrupted, NothingToDo)) and not signals.training and held is not None \
-                and held[0] == run_dir.absolute() and not isinstance(end, DirectoryHeld):
+        if isinstance(end, (ConfigError, Interrupted, NothingToDo, PeerRefused)) and not signals.training \
+                and held is not None and held[0] == run_dir.absolute() and not isinstance(end, DirectoryHeld):
             rundir.restore(*held)  # refused: the run it named is byte for byte as it was
         if end.line:
             print(end.line, file=sys.stderr, flush=True)
+        if isinstance(end, ConfigError):  # the refusing rank, whichever it is (rank 0 may be stopped before it writes)
+            rundir.write_exit_status(end.status, every_rank=True)
         return end.status
     return 0
 

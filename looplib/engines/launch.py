@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from . import board
 
 TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -107,6 +108,7 @@ def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
     if dist.is_initialized():
         return
     export_torch_env()
+    board.check_in(timeout_s)  # every rank here, or one refused: said now, not after the launcher's SIGKILL
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -19,12 +19,13 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
+from ..engines import board
 from ..engines.launch import launched_rank, lost_rank_line
 from ..data.identity import expecting
-from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, RunEnded, SaveError,
-                      disk_full)
+from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, PeerRefused, RunEnded,
+                      SaveError, disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
-from .lock import DirectoryHeld, hold, release
+from .lock import DirectoryHeld, hold, holds, release
 from .resume import expected_identity, plan
 from .rundir import forget, results
 from .settings import Settings
@@ -54,16 +55,18 @@ def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path
         held: list[Path]) -> Trained:
     """``execute``'s run (``held``: receives the run directory once held)."""
     parts = record = job = None
+    shared = False  # run_dir is rank 0's (another rank's directory on a rank other than 0)
     try:
         try:
             parts, settings, record = make()
             check(parts, settings)
             parts.engine.agree(record.config)  # several processes: the same job on every rank, or none
             if run_dir is not None:
-                shared = parts.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
-                if shared != run_dir:
+                common = parts.engine.shared_run_dir(run_dir)  # rank 0's: one directory per run, not per rank
+                if common != run_dir:
                     forget(run_dir, fresh=True)  # this rank's scratch directory
-                    run_dir, fresh = shared, fresh and not results(shared)
+                    run_dir, fresh = common, fresh and not results(common)
+                shared = True
                 held += hold_for_ranks(parts.engine, run_dir, key)  # one run at a time, before anything is written
             elif metrics is not None and parts.engine.is_main:
                 metrics = fresh_file(metrics)
@@ -80,12 +83,15 @@ def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path
                 parts.precision.close()  # TF32's process-wide flags: a sweep's next job starts clean
     except BaseException as err:
         signals.finish()  # from here a signal changes nothing (torchrun's SIGTERM to the survivors of a lost rank)
-        end = err if isinstance(err, RunEnded) else as_ending(err, run_dir)
+        # another rank refused the job: whatever stopped this one (torchrun's SIGTERM, a lost peer) follows from it
+        end = (None if isinstance(err, ConfigError) else board.refusal()) or \
+            (err if isinstance(err, RunEnded) else as_ending(err, run_dir))
         if end is None:
             raise
         if not isinstance(end, LostRank):
             end.line = ending(end, signals, record, run_dir)
-        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull)) and run_dir is not None \
+        ours = run_dir is not None and (not shared or holds(run_dir))  # rank 0's directory is rank 0's to clean
+        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull, PeerRefused)) and ours \
                 and not isinstance(end, DirectoryHeld):  # another run's directory: not a byte of it is ours
             forget(run_dir, fresh)  # found before training: nothing of this run stays behind
         if end is err:
@@ -141,11 +147,17 @@ def as_ending(err: BaseException, run_dir: Path | None) -> RunEnded | None:
 
 
 def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path | None) -> str:
-    """The one line the command line says for ``end`` (rank 0 only; the others say nothing)."""
+    """The one line the command line says for ``end``. A refusal is said by the rank that refuses
+    (posted on the launch's board, ``looplib.engines.board``: the others then say they stopped
+    because of it; identical lines from several ranks said once); any other ending by rank 0."""
+    if isinstance(end, ConfigError):
+        line = f"looplib: error: {end}"
+        return line if board.post_refusal(line) else ""
+    if isinstance(end, PeerRefused):
+        line = refused_line(end.rank)
+        return line if board.says(line) else ""
     if launched_rank() != 0:
         return ""
-    if isinstance(end, ConfigError):
-        return f"looplib: error: {end}"
     if isinstance(end, NothingToDo):
         return f"looplib: nothing to do: {end}"
     if isinstance(end, NumericError):
@@ -164,6 +176,11 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
     if isinstance(end, Interrupted):
         return f"looplib: stopped ({end}) before training started; nothing was saved"
     return f"looplib: stopped: {end}"
+
+
+def refused_line(rank: int) -> str:
+    """What the ranks that did not refuse say (the same on each: said once)."""
+    return f"looplib: stopped: rank {rank} refused the job, so the other ranks stopped too (nothing was trained)"
 
 
 def fresh_file(path: Path) -> Path:

@@ -72,11 +72,13 @@ def check(path: Path, resume: str | None, key: str) -> None:
                       f"continue it with resume=auto, or give a new directory ({key}=...)")
 
 
-def write_exit_status(status: int) -> None:
+def write_exit_status(status: int, every_rank: bool = False) -> None:
     """``LOOPLIB_EXIT_FILE``: rank 0 writes its exit status there as its last act. Launchers
-    (torchrun) report 1 when a rank exits non-zero, so a job script reads looplib's status here."""
+    (torchrun) report 1 when a rank exits non-zero, so a job script reads looplib's status here.
+    ``every_rank``: a refusal, written by the rank that refuses whatever its rank (the launcher may
+    stop rank 0 before it writes; rank 0 then writes the same status, learnt from the board)."""
     path = os.environ.get("LOOPLIB_EXIT_FILE")
-    if path and launch.launched_rank() == 0:
+    if path and (every_rank or launch.launched_rank() == 0):
         write_atomic(path, f"{status}\n")
 
 

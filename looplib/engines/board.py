@@ -1,0 +1,136 @@
+"""The launch's board: what one rank says that every other rank of the launch must hear, also
+before the process group exists or after a rank has gone: a refusal.
+
+Under torchrun a rank that exits makes the launcher stop the others (SIGTERM, then SIGKILL after
+its grace period). A refusal found by one rank (rank 1 refusing a setting first, rank 0 refusing
+a run directory another run holds) would otherwise reach the others only as "stopped (SIGTERM)"
+or a lost rank, and a job script reading ``LOOPLIB_EXIT_FILE`` would requeue a refused command
+forever. So a refusing rank posts its line here before it exits; a rank that stops for any
+reason first looks here, and says it stopped because rank N refused (exit status 2).
+
+- The board is a key-value store every rank reaches: torchrun's own (its agent's store, there
+  from the start, alive while any worker lives), else the process group's (from the moment it is
+  up). One process: no board; a refusal is said where it is found.
+- Identical lines from several ranks are said once (by the first rank to post it); a different
+  line is said too. Never lost: the rank that refuses says it, whatever rank it is.
+- ``check_in``: before the process group starts, every rank waits here, in Python, for the others
+  (a refusal posted meanwhile ends the wait). A process blocked in the group's rendezvous in C++
+  never runs its signal handler, so a rank waiting for a peer that refused would be killed
+  silently by the launcher 30 s later.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+
+import torch.distributed as dist
+
+from ..errors import PeerRefused
+
+_STORE = None
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def key(name: str) -> str:
+    """One key space per launch and restart (torchrun --max-restarts starts a fresh one)."""
+    return "looplib/{}/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+                                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), name)
+
+
+def agent_store() -> bool:
+    """torchrun's workers reach their agent's store from the start (it hosts the rendezvous)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ \
+        and "MASTER_PORT" in os.environ
+
+
+def store():
+    """The store of this launch, or None (one process; another launcher before the group is up)."""
+    global _STORE
+    if world() <= 1:
+        return None
+    if _STORE is None and agent_store():
+        try:
+            _STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - no board: the refusal is still said by the rank that found it
+            return None
+    if _STORE is not None:
+        return _STORE
+    if dist.is_initialized():
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+            return _get_default_store()
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def post_refusal(line: str) -> bool:
+    """This rank refuses the job with ``line`` (the first refusal of the launch is the one the others
+    name). True when this rank says the line: no rank has said that exact line yet."""
+    s = store()
+    if s is not None:
+        try:
+            s.compare_set(key("refused"), "", f"{rank()}\n{line}")  # the first one stays
+        except Exception:  # noqa: BLE001 - the board is gone (the launcher is stopping)
+            pass
+    return says(line)
+
+
+def says(line: str) -> bool:
+    """True when this rank is the first of the launch to say ``line`` (identical lines said once)."""
+    s = store()
+    if s is None:
+        return True
+    try:
+        return s.add(key("said/" + hashlib.sha1(line.encode()).hexdigest()), 1) == 1
+    except Exception:  # noqa: BLE001 - no board to ask: say it
+        return True
+
+
+def refusal() -> PeerRefused | None:
+    """A refusal another rank of this launch posted (None: none, or no board)."""
+    s = store()
+    if s is None:
+        return None
+    try:
+        if not s.check([key("refused")]):
+            return None
+        who, _, line = s.get(key("refused")).decode().partition("\n")
+    except Exception:  # noqa: BLE001
+        return None
+    if int(who) == rank():
+        return None
+    return PeerRefused(int(who), line)
+
+
+def check_in(timeout_s: float) -> None:
+    """Before the process group starts (torchrun): wait until every rank of the launch has come
+    this far, or one has refused (``PeerRefused``). Waits in Python, so a signal is handled."""
+    s = store() if agent_store() else None
+    if s is None:
+        return
+    try:
+        s.add(key("checked_in"), 1)
+    except Exception:  # noqa: BLE001 - the group's rendezvous will report what is wrong
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        refused = refusal()
+        if refused is not None:
+            raise refused
+        try:
+            if s.add(key("checked_in"), 0) >= world():
+                return
+        except Exception:  # noqa: BLE001
+            return
+        time.sleep(0.05)
