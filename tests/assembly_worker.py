@@ -24,10 +24,12 @@ JOB = ["data=random", "data.n_train=64", "data.n_eval=16", "data.vocab_size=64",
 
 
 def compose_job(engine: str):
-    saves = ["checkpoint.enabled=false"] if engine != "local" else []  # checkpoints: tested on one process
+    """``engine``: an ``+engine=`` option, ``local`` (none, one process) or ``none`` (none, under
+    torchrun: the launcher rules choose DDP, checkpoints kept)."""
+    saves = ["checkpoint.enabled=false"] if engine not in ("local", "none") else []  # checkpoints: tested on one process
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         return compose(config_name="config",
-                       overrides=[*JOB, *saves, *([f"+engine={engine}"] if engine != "local" else [])])
+                       overrides=[*JOB, *saves, *([f"+engine={engine}"] if engine not in ("local", "none") else [])])
 
 
 def through_the_cli(engine: str, run_dir: Path):
@@ -47,7 +49,8 @@ def through_python(engine: str, run_dir: Path):
     model = instantiate(cfg.model)
     result = train_model(model, data, max_steps=s.max_steps, batch_size=s.batch_size, accum_steps=s.accum_steps,
                          objective=parts["loss"], precision=parts["precision"], optim=parts["optim"],
-                         schedule=parts["schedule"], engine=parts["engine"], peft=parts["peft"],
+                         schedule=parts["schedule"], engine=None if engine == "none" else parts["engine"],
+                         peft=parts["peft"],
                          compile=parts["compile"], evaluation=parts["evaluation"],
                          checkpointing=parts["checkpointing"], eval_every=s.eval_every, eval_samples=s.eval_samples,
                          max_grad_norm=s.max_grad_norm, device=s.device, seed=s.seed, run_dir=run_dir,

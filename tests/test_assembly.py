@@ -68,6 +68,23 @@ def test_distributed_engines_cli_path_equals_train_model(tmp_path):
         same_run(tmp_path / engine / "cli", tmp_path / engine / "api", ranks=(0, 1))
 
 
+def test_train_model_under_torchrun_without_an_engine_trains_ddp_as_the_command_line_does(tmp_path):
+    """The launcher rules (looplib.run.launcher) for both ways in: no engine under torchrun is DDP,
+    one run (one set of checkpoints, every rank ending with the same weights), bit for bit the
+    command line's run; not one copy of the job per rank writing the same files."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "none"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cli, api = tmp_path / "none" / "cli", tmp_path / "none" / "api"
+    same_run(cli, api, ranks=(0, 1))  # checkpoints step-2 and step-4 only, in each
+    from looplib.run.checkpoint_dir import read_config
+    assert read_config(api / "config.yaml")["engine"]["_target_"] == "looplib.engines.ddp.DDP"
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "no engine was chosen" in line]
+    assert said and all("training with +engine=ddp" in line for line in said)
+
+
 class SignalAt(Logger):
     """Sends this process SIGTERM when the metrics row of ``step`` is logged (mid-run, exactly)."""
 

@@ -17,9 +17,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .. import groups
-from ..engines.launch import launched_rank, launched_world
+from ..engines.launch import launched_world
 from ..errors import ConfigError, RunEnded, disk_full
 from ..loggers import Logger, Loggers
+from ..run import launcher
 from ..run.settings import Settings, refuse_renamed, settings_from
 from ..schema import check_options, cli, parameters, refuse_unknown
 from .resolvers import register_resolvers
@@ -169,36 +170,24 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
 
 
 def launcher_defaults(cfg) -> dict:
-    """Strategy defaults the launcher decides: several processes and no engine chosen -> DDP
-    (one run whose gradients are averaged, not N copies of the same job). Said in a log line."""
-    world, who = launched_world()
+    """Strategy defaults the launcher decides (``looplib.run.launcher``): several processes and no
+    engine chosen -> the ``ddp`` option."""
     node = cfg.get("engine")
-    if world <= 1 or (node is not None and "_target_" in node):
-        return {}
-    if launched_rank() == 0:
-        log.info(
-            "%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
-            "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
-    return {"engine": "ddp"}
+    option = launcher.default_engine(chosen=node is not None and "_target_" in node)
+    return {"engine": option} if option else {}
 
 
 def refuse_one_process_engine(cfg) -> None:
-    """An engine that runs in one process only (its class's ``several_processes`` is False:
-    ``+engine=local``), started by a launcher as one of several: every rank refuses
-    (``ConfigError``) before it builds anything or trains a copy of the job of its own."""
-    world, who = launched_world()
-    target = cfg.get("engine", {}).get("_target_") if world > 1 else None
+    """The engine the config names, under the launcher rules (``looplib.run.launcher``): one that
+    runs in one process (``+engine=local``) started as one of several is refused on every rank."""
+    target = cfg.get("engine", {}).get("_target_") if launched_world()[0] > 1 else None
     if target is None:
         return
     try:
         engine = hydra.utils.get_class(str(target))
     except Exception:  # noqa: BLE001 - a misspelt _target_: the group's own check names it
         return
-    if not getattr(engine, "several_processes", False):
-        engine_name = "Local" if engine.__name__ == "Engine" else engine.__name__
-        raise ConfigError("engine", f"{engine_name} runs in one process, but {who} started {world} of them "
-                          "(each would train its own copy of the job)",
-                          "use +engine=ddp, +engine=fsdp or +engine=deepspeed, or start one process")
+    launcher.refuse_one_process(engine)
 
 
 def build_loggers(cfg) -> Logger:

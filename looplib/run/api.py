@@ -48,6 +48,7 @@ from ..peft import FullModel
 from ..precision import Precision
 from ..schedule import Schedule
 from .assembly import Parts, Record, Trained
+from .launcher import engine_for
 from .lifecycle import execute
 from .rundir import check as check_run_dir
 from .settings import Settings, refuse_renamed, settings_from
@@ -91,6 +92,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     scheduler, state, eval_loss, run_dir, last_row); raises ``looplib.RunEnded`` otherwise."""
     speak()
     refuse_renamed({**more, "batch_size": batch_size})  # eval_batches=: now eval_samples
+    if engine is None or isinstance(engine, Engine):  # (anything else: refused below, naming the class to pass)
+        engine = engine_for(engine, device)  # under torchrun without an engine: DDP, as on the command line
     given = dict(objective=objective, precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
                  evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger, **more)
     settings = settings_from(dict(
