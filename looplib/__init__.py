@@ -1,6 +1,6 @@
 """looplib: a pure-PyTorch training loop with pluggable strategies and no Trainer class.
 
-    from looplib import BF16, AdamW, train_model
+    from looplib import BF16, DDP, AdamW, TensorBoard, train_model
     result = train_model(model, dataset, max_steps=1000, batch_size=8, accum_steps=4,
                          precision=BF16(), optim=AdamW(lr=3e-4, weight_decay=0.1))
 
@@ -16,7 +16,7 @@ from .run.api import Datasets, Trained, train_model
 from .checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
-from .engines import Engine, Local
+from .engines import DDP, Engine, Local
 from .errors import ConfigError, Interrupted, NumericError, RunEnded, SaveError
 from .evaluation import Evaluation, HalfWeights, evaluate
 from . import moved as _moved
@@ -32,9 +32,21 @@ from .version import __version__
 
 _moved.install()  # the old import paths, for one release, each with a FutureWarning naming the new one
 
+# engines and trackers the docs name beside BF16(), imported when first used: importing looplib
+# imports neither deepspeed nor any tracker's library (nor the modules that would)
+LAZY = {"FSDP": "looplib.engines.fsdp", "DeepSpeed": "looplib.engines.deepspeed",
+        "TensorBoard": "looplib.loggers.tensorboard", "MLflow": "looplib.loggers.mlflow", "WandB": "looplib.loggers.wandb"}
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        import importlib
+        return getattr(importlib.import_module(LAZY[name]), name)
+    raise AttributeError(f"module 'looplib' has no attribute {name!r}")
+
 __all__ = [
     "fit", "evaluate", "TrainState", "Accumulation", "Window", "Epochs", "EpochSampler", "build_loader",
-    "Engine", "Local", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
+    "Engine", "Local", "DDP", "FSDP", "DeepSpeed", "TensorBoard", "MLflow", "WandB", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
     "train_model", "Trained", "Datasets", "RunEnded", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",

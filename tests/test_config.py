@@ -101,6 +101,30 @@ def test_the_cli_key_set_is_frozen():
                         "global_batch_size", "peak_tflops", "sweep"}
 
 
+def test_conf_config_yaml_and_train_model_take_their_defaults_from_one_source():
+    """looplib.run.settings is the one source of the job's defaults: conf/config.yaml holds the same
+    value for every setting (seed 1337 both ways; train_model's was 0), and so does every
+    keyword argument of train_model that is a command-line setting."""
+    import inspect
+    from dataclasses import asdict, fields
+
+    from omegaconf import OmegaConf
+
+    from looplib import train_model
+    from looplib.run.settings import NOT_ARGUMENTS, Settings
+    conf = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    defaults = asdict(Settings())
+    assert {k: conf[k] for k in defaults} == defaults
+    assert set(conf) - set(defaults) == {"defaults", "hydra"}  # every setting is a Settings field
+    signature = inspect.signature(train_model).parameters
+    shared = {f.name for f in fields(Settings)} - set(NOT_ARGUMENTS) - {"checkpoint", "loader", "sweep"}
+    assert {k: signature[k].default for k in shared} == {k: defaults[k] for k in shared}
+    assert shared | {"checkpoint_every", "keep", "loader"} <= set(signature)
+    assert (signature["checkpoint_every"].default, signature["keep"].default) == \
+        (defaults["checkpoint"]["every_steps"], defaults["checkpoint"]["keep"])
+    assert signature["loader"].default is None  # None: loader's defaults (Settings.loader)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("max_steps", "abc", "max_steps='abc' is not a whole number"),
     ("max_steps", "1e3", "max_steps=1000.0 is a float, not a whole number (write max_steps=1000)"),

@@ -51,7 +51,8 @@ from .assembly import Parts, Record, Trained
 from .launcher import engine_for
 from .lifecycle import execute
 from .rundir import check as check_run_dir
-from .settings import Settings, refuse_renamed, settings_from
+from .settings import NOT_ARGUMENTS, SAMPLE_TOKENS, Checkpoint, Default, Settings, refuse_renamed, settings_from
+from .settings import Settings as S  # train_model's defaults are the command line's, from one source
 from .signals import Signals
 
 log = logging.getLogger("looplib")
@@ -66,26 +67,31 @@ class Datasets(Corpus):
         self.train, self.eval, self.collate = train, eval, collate
 
 
-def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, batch_size: int | str = 8,
-                accum_steps: int = 1, global_batch_size: int | None = None,
+def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int = S.max_steps,
+                batch_size: int | str = S.batch_size, accum_steps: int = S.accum_steps,
+                global_batch_size: int | None = S.global_batch_size,
                 objective: TokenCrossEntropy | None = None, precision: Precision | None = None,
                 optim: OptimizerFactory | None = None, schedule: Schedule | None = None,
                 peft: FullModel | None = None, compile: Compile | None = None,
                 evaluation: Evaluation | None = None, checkpointing: Checkpointing | None = None,
                 engine: Engine | None = None, logger: Logger | None = None,
-                eval_dataset: Dataset | None = None, eval_every: int = 0, eval_samples: int | None = 512,
-                max_grad_norm: float | None = 1.0, device: str = "auto", seed: int = 0,
-                run_dir: str | Path | None = None, checkpoint_every: int | None = 100, keep: int = 2,
-                resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
-                metrics: str | Path | None = None, log_every: int = 10, max_bad_steps: int = 25,
-                sample_tokens: int = 0, peak_tflops: float | None = None, progress: str = "auto",
-                loader: dict[str, Any] | None = None, collate_fn=None, **more: Any) -> Trained:
+                eval_dataset: Dataset | None = None, eval_every: int = S.eval_every,
+                eval_samples: int | None = S.eval_samples, max_grad_norm: float | None = S.max_grad_norm,
+                device: str = S.device, seed: int = S.seed, run_dir: str | Path | None = None,
+                checkpoint_every: int | None = Checkpoint.every_steps, keep: int = Checkpoint.keep,
+                resume: str | Path | None = S.resume, export: Literal["auto", "hf"] | None = "auto",
+                metrics: str | Path | None = None, log_every: int = S.log_every, max_bad_steps: int = S.max_bad_steps,
+                sample_tokens: int = SAMPLE_TOKENS, peak_tflops: float | None = S.peak_tflops,
+                progress: str = S.progress, loader: dict[str, Any] | None = None, collate_fn=None,
+                **more: Any) -> Trained:
     """Train ``model`` on ``dataset`` (a dataset of dict samples, or a ``looplib.data.Corpus``
     such as ``TextCorpus``) with the given strategies (one per config group: ``looplib.groups``).
     ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
     DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``checkpoint_every``:
     steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
-    ``export``: ``auto`` writes what the CLI writes into the run directory (model.safetensors, hf/
+    ``sample_tokens``: left as it is, the command line's sample at the end where the data can
+    encode a prompt (a ``Corpus``) and none otherwise. Every default is the command line's
+    (``looplib.run.settings``: seed 1337, batch_size 32, ...). ``export``: ``auto`` writes what the CLI writes into the run directory (model.safetensors, hf/
     for a transformers model, the adapter under LoRA), ``hf`` insists on a transformers export,
     None writes no weights. ``**more``: the objects of groups added to ``looplib.groups.GROUPS``
     (a group of your own), by their argument name. Returns ``Trained`` (model, optimizer,
@@ -99,7 +105,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     settings = settings_from(dict(
         device=device, seed=seed, max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps,
         global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,
-        eval_samples=eval_samples, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
+        eval_samples=eval_samples, sample_tokens=int(sample_tokens), max_bad_steps=max_bad_steps,
         resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
         loader=dict(loader or {}),
         checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))
@@ -110,9 +116,11 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
         data = dataset
     else:
         data = Datasets(dataset, eval_dataset, collate_fn)
-    if sample_tokens and type(data).encode is Corpus.encode:
+    if sample_tokens and type(data).encode is Corpus.encode and isinstance(sample_tokens, Default):
+        settings.sample_tokens = 0  # the default sample needs data that can encode a prompt: none here
+    elif sample_tokens and type(data).encode is Corpus.encode:
         raise ConfigError("sample_tokens", "a sample at the end needs data that can encode a prompt (a Corpus)",
-                          "pass a looplib.data.Corpus as the dataset, or leave sample_tokens=0")
+                          "pass a looplib.data.Corpus as the dataset, or leave sample_tokens out (or 0)")
     if resume is not None and run_dir is None:
         raise ConfigError("resume", f"resume={resume} needs the run directory to continue in",
                           "pass run_dir=PATH (the directory of the run to continue)")
@@ -181,7 +189,7 @@ def option_class(group: str, option: str) -> str | None:
 def record(settings: Settings, parts: Parts, run_dir: str | Path | None) -> Record:
     """config.yaml of a Python run: the settings, and each part's class with its plain settings
     (a resumed run is refused if one of them changed, as on the command line)."""
-    config = asdict(settings)
+    config = {k: v for k, v in asdict(settings).items() if k not in NOT_ARGUMENTS}  # what ran, no unused key
     for row in groups():
         if row.stage != "trackers":
             config[row.name] = config_of(getattr(parts, row.part), plain=row.stage != "expensive")

@@ -29,6 +29,7 @@ from . import elastic
 from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, inspect_checkpoint, load_state,
                              set_rng_state, step_dirs, unwrap)
 from .saving import Checkpoints
+from .settings import NOT_ARGUMENTS
 
 log = logging.getLogger("looplib")
 
@@ -52,6 +53,8 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, 
 
 def check_resume_config(saved: dict, now: dict) -> list[str]:
     """Refuse a change that breaks the run; return the safe changes, to be reported."""
+    # a Python run's config.yaml once recorded top-level lr and weight_decay, which train_model never used
+    saved = {k: v for k, v in saved.items() if k in now or k not in NOT_ARGUMENTS}
     safe = []
     for key, a, b in config_changes(saved, now):
         if any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE):

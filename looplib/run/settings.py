@@ -1,6 +1,8 @@
 """The job's top-level settings, typed: the command line's keys (conf/config.yaml) and
-``train_model``'s keyword arguments are the same fields, checked by the same rules
-(``looplib.schema``: constructor annotations are the schema). Imports neither Hydra nor OmegaConf.
+``train_model``'s keyword arguments are the same fields, with the same defaults (this module is
+their one source: tests/test_config.py holds conf/config.yaml and ``train_model``'s signature
+equal to it), checked by the same rules (``looplib.schema``: constructor annotations are the
+schema). Imports neither Hydra nor OmegaConf.
 """
 from __future__ import annotations
 
@@ -84,6 +86,17 @@ class Settings:
     loader: Loader = field(default_factory=Loader)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     sweep: Sweep = field(default_factory=Sweep)
+
+
+class Default(int):
+    """A whole-number default as ``train_model`` gives it: the command line's value, which also
+    tells a value left as it is from the same one passed (``sample_tokens``)."""
+
+
+SAMPLE_TOKENS = Default(Settings.sample_tokens)  # train_model: the CLI's sample, where the data can encode a prompt
+# settings of the command line that are not train_model's arguments (the optimizer object carries
+# its own lr and weight decay): left out of a Python run's config.yaml, which records what ran
+NOT_ARGUMENTS = ("lr", "weight_decay")
 
 
 # settings that were renamed: (the new key, what it means), refused with the fix naming it
