@@ -30,6 +30,7 @@ import torch
 
 from ..engines.local import innermost as unwrap  # noqa: F401 - the user's module inside wrappers
 from ..errors import ConfigError
+from .elastic import damaged
 
 log = logging.getLogger("looplib")
 
@@ -140,6 +141,9 @@ def inspect_checkpoint(path: Path, model: torch.nn.Module | None = None, own_for
             raise TypeError("needs is not a list")
     except (ValueError, KeyError, TypeError) as err:
         raise InvalidCheckpoint(f"unreadable meta.json ({type(err).__name__}: {err})") from None
+    why = damaged(meta)  # its geometry: what a resume on other processes reads
+    if why:
+        raise InvalidCheckpoint(f"{path / 'meta.json'}: its geometry record is damaged ({why})")
     if own_format is None:  # not told which engine reads it: what the checkpoint says it needs
         own_format = "needs" in meta and "state.pt" not in meta["needs"]
     needs = set(ALWAYS) | set(meta.get("needs", ())) | (set() if own_format else set(LOCAL_FILES))

@@ -52,10 +52,38 @@ def current(engine, batch_size: int, accum_steps: int) -> Geometry:
     return Geometry(engine.label, engine.checkpoint_format, engine.world_size, batch_size, accum_steps)
 
 
+def damaged(meta: dict) -> str | None:
+    """What is wrong with the geometry record of a checkpoint's ``meta.json`` (None: nothing, or
+    no record: a checkpoint written before looplib recorded it)."""
+    if "geometry" not in meta:
+        return None
+    g = meta["geometry"]
+    if not isinstance(g, dict):
+        return f"it is {type(g).__name__} {g!r}, not a record"
+    missing = [k for k in ("engine", "format", "world_size", "batch_size", "accum_steps") if k not in g]
+    if missing:
+        return "it lacks " + ", ".join(missing)
+    for key in ("engine", "format"):
+        if not isinstance(g[key], str) or not g[key]:
+            return f"{key} is {g[key]!r}, not a name"
+    for key in ("world_size", "batch_size", "accum_steps"):
+        if not isinstance(g[key], int) or isinstance(g[key], bool) or g[key] < 1:
+            return f"{key} is {g[key]!r}, not a whole number of at least 1"
+    if "global_batch" in g and g["global_batch"] != g["world_size"] * g["batch_size"] * g["accum_steps"]:
+        return (f"global_batch is {g['global_batch']!r}, not world_size x batch_size x accum_steps = "
+                f"{g['world_size'] * g['batch_size'] * g['accum_steps']}")
+    return None
+
+
 def saved_geometry(path: Path, meta: dict, config: dict, world_now: int) -> Geometry:
     """The geometry a checkpoint was written with (``meta.json``; for a checkpoint written before
     looplib recorded it: from its files and config, its world size FSDP's ``fsdp.json`` or the
-    number of DeepSpeed's partitions, else taken as this run's)."""
+    number of DeepSpeed's partitions, else taken as this run's). A damaged record is refused in
+    one line naming the file (``inspect_checkpoint`` finds it first, for every checkpoint)."""
+    why = damaged(meta)
+    if why:
+        raise ConfigError("resume", f"{Path(path) / 'meta.json'}: its geometry record is damaged ({why})",
+                          "resume from another checkpoint (resume=PATH), or start a new run")
     if isinstance(meta.get("geometry"), dict):
         g = meta["geometry"]
         return Geometry(g["engine"], g["format"], g["world_size"], g["batch_size"], g["accum_steps"])
