@@ -13,6 +13,7 @@ matplotlib) are imported only when chosen; importing looplib never imports Hydra
 from .accumulation import Accumulation, Window
 from .peft import GPT_LINEARS, FullModel, LoRA, QLoRA, load_lora
 from .run.api import Datasets, Trained, train_model
+from .run.finished import Finished, load_finished
 from .checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
@@ -49,7 +50,7 @@ __all__ = [
     "Engine", "Local", "DDP", "FSDP", "DeepSpeed", "TensorBoard", "MLflow", "WandB", "ConfigError", "TokenCrossEntropy", "SequenceCrossEntropy",
     "OptimizerFactory", "AdamW", "SGD", "Adafactor", "Adam8bit", "Schedule", "Constant", "WarmupCosine",
     "list_optimizers", "param_groups", "Precision", "FP32", "TF32", "Autocast", "FP16", "BF16", "Telemetry",
-    "train_model", "Trained", "Datasets", "RunEnded", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
+    "train_model", "Trained", "Datasets", "load_finished", "Finished", "RunEnded", "Interrupted", "NumericError", "SaveError", "Corpus", "RandomCorpus", "RandomTokens", "TokenChunks",
     "Compile", "NoCompile", "TorchCompile", "Evaluation", "HalfWeights", "FullModel", "LoRA", "QLoRA", "load_lora",
     "GPT_LINEARS",
     "Checkpointing", "ActivationCheckpointing", "SelectiveCheckpointing", "OffloadActivations",

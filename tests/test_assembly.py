@@ -17,6 +17,7 @@ from looplib.loggers import Logger
 
 sys.path.insert(0, str(REPO / "tests"))
 import assembly_worker  # noqa: E402
+from signal_at import SignalAt  # noqa: E402
 
 COMPARED = ("step", "epoch", "loss", "lr", "grad_norm", "eval_loss", "skipped_steps")
 
@@ -85,17 +86,6 @@ def test_train_model_under_torchrun_without_an_engine_trains_ddp_as_the_command_
     assert said and all("training with +engine=ddp" in line for line in said)
 
 
-class SignalAt(Logger):
-    """Sends this process SIGTERM when the metrics row of ``step`` is logged (mid-run, exactly)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def log(self, row):
-        if row.get("step") == self.step and "loss" in row:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def job(**kwargs):
     torch.manual_seed(0)
     return dict(model=tiny_gpt(), dataset=RandomCorpus(seq_len=16, vocab_size=64, n_train=48, n_eval=8),
@@ -142,3 +132,43 @@ def test_train_model_refuses_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^schedule: schedule=dict\(...\) is not a Schedule"):
         train_model(tiny_gpt(), random_tokens(8), max_steps=1, schedule={"warmup_steps": 2}, device="cpu")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_preempted_runs_newest_checkpoint_is_what_generate_and_load_finished_take(tmp_path, capsys):
+    """looplib.run.finished: a run stopped before its end has no exported weights; ``python -m
+    looplib.generate`` and the Python API load its newest checkpoint and say which, and take that
+    checkpoint's directory itself too."""
+    from conftest import run_cli
+    from looplib import load_finished
+    from looplib.cli.generate import main
+    from looplib.models import GPT
+    run = tmp_path / "cut"
+    r = run_cli("data=random", "data.vocab_size=64", "data.n_train=64", "model.n_layer=1", "model.d_model=32",
+                "model.n_head=2", "model.seq_len=16", "batch_size=4", "log_every=1", "checkpoint.every_steps=2",
+                "max_steps=8", "+logger.stop._target_=signal_at.SignalAt", "+logger.stop.step=4",
+                f"hydra.run.dir={run}", cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests")})
+    assert r.returncode == 75, r.stderr[-2000:]
+    newest = run / "checkpoints" / "step-00000004"
+    assert not (run / "model.safetensors").exists() and newest.is_dir()
+    done = load_finished(run, "cpu")
+    assert done.checkpoint == newest and done.run_dir == run and isinstance(done.model, GPT)
+    saved = load_file(newest / "model.safetensors")
+    assert all(torch.equal(v, done.model.state_dict()[k]) for k, v in saved.items())  # (tied weights: once)
+    assert main([str(run), "--prompt", "ab", "--tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert f"looplib: {run} was stopped before its end: sampling from its newest checkpoint, {newest}" in out.err
+    assert out.out.strip()
+    assert main([str(newest), "--prompt", "ab", "--tokens", "3"]) == 0  # the checkpoint itself, accepted
+    assert "stopped before its end" not in capsys.readouterr().err
+
+
+def test_load_finished_takes_a_python_runs_model_object(tmp_path):
+    """A train_model run's config.yaml names only its model's class: load_finished refuses to guess
+    its arguments, and loads the weights into the model it is given."""
+    from looplib import load_finished
+    train_model(**job(), run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match="names the model's class but not its arguments"):
+        load_finished(tmp_path / "run", "cpu")
+    done = load_finished(tmp_path / "run", "cpu", model=tiny_gpt(seed=5))
+    saved = load_file(tmp_path / "run" / "model.safetensors")
+    assert done.checkpoint is None and all(torch.equal(v, done.model.state_dict()[k]) for k, v in saved.items())

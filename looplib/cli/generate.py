@@ -1,66 +1,31 @@
 """Sample from a run's result: ``python -m looplib.generate RUN_DIR [--prompt TEXT] [--tokens N]``.
 
-- A run of a transformers model (``model=hf``, ``llama_tiny`` ...): its ``hf/`` directory (or any
-  directory ``save_pretrained`` wrote), loaded with transformers (``peft`` for a LoRA adapter)
-  and its own tokenizer; a classifier prints its class probabilities for the prompt instead.
-- A run of a bundled model (GPT): ``config.yaml`` + ``model.safetensors``, the tokenizer from
-  the data config (the corpus cache under ``$LOOPLIB_CACHE``).
+The arguments and the sampling only: what a run left is loaded by ``looplib.run.finished``
+(``load_finished``, which the Python API calls too):
+
+- a run of a transformers model (``model=hf``, ``llama_tiny`` ...): its ``hf/`` directory, its own
+  tokenizer; a classifier prints its class probabilities for the prompt instead;
+- a run of a bundled model (GPT): ``config.yaml`` + ``model.safetensors``, the tokenizer from
+  the data config (the corpus cache under ``$LOOPLIB_CACHE``);
+- a run stopped before its end (preempted): its newest checkpoint, named on stderr (or a
+  checkpoint given itself: ``RUN_DIR/checkpoints/step-N``).
 
 Without ``--prompt`` the prompt comes from the run's held-out data (``corpus.sample_prompt()``).
 A model trained on chat records (``data=instruct`` with ``messages``) is prompted as it was
 trained: ``--prompt`` becomes a user turn in the tokenizer's chat template, the assistant's turn
-opened, and sampling stops at the end of that turn (``--raw``: the prompt as it is). A QLoRA
-run's adapter is loaded on its base quantised to 4 bits as it trained (bitsandbytes).
+opened, and sampling stops at the end of that turn (``--raw``: the prompt as it is).
 Nothing is downloaded. Bad input: one line, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from ..errors import EXIT_CONFIG, ConfigError
-
-
-def hf_directory(run_dir: Path) -> Path | None:
-    for candidate in (run_dir / "hf", run_dir):
-        if (candidate / "config.json").is_file() or (candidate / "adapter_config.json").is_file():
-            return candidate
-    return None
-
-
-def run_corpus(run_dir: Path):
-    """The run's data, rebuilt from its config.yaml (tokenised once: the cache answers), held to
-    the identity its newest checkpoint recorded: data changed since the run trained are refused
-    (a tokenizer trained on them would give other ids to its embeddings), and a tokenizer the run
-    trained is never trained again (the cache's copy or the checkpoint's)."""
-    from omegaconf import OmegaConf
-
-    from ..data import identity
-    from ..run.resume import expected_identity
-    from .instantiate import instantiate
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return None
-    found = expected_identity("auto", run_dir)
-    words = found and identity.Expected(
-        found.fingerprint, found.checkpoint, key="RUN_DIR",
-        consequence="so its tokenizer and prompts would not be the ones its weights learned",
-        fix="put the files back as they were (or give --prompt to a run exported for transformers, hf/)")
-    with identity.expecting(words):
-        return instantiate(OmegaConf.load(config), "data")
-
-
-def run_config(run_dir: Path) -> dict:
-    """The run's saved config (config.yaml), or {} when there is none."""
-    from ..run.checkpoint_dir import read_config
-    try:
-        return read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
-    except Exception:  # noqa: BLE001 - a hand-made directory: as if there were none
-        return {}
+from ..run.finished import Finished, load_finished, run_config, run_corpus
 
 
 def default_prompt(run_dir: Path, prompt: str | None, raw: bool = False) -> tuple[str, bool]:
@@ -86,75 +51,12 @@ def default_prompt(run_dir: Path, prompt: str | None, raw: bool = False) -> tupl
     return corpus.sample_prompt(), chat
 
 
-def load_qlora(directory: Path, settings: dict, compute: torch.dtype, device: torch.device, transformers):
-    """A QLoRA adapter on its base quantised as in training (``settings``: the run's ``peft`` keys)."""
-    from ..optim import import_bitsandbytes
-    from ..peft import import_peft
-    import_bitsandbytes("RUN_DIR", "a QLoRA run's base")
-    peft = import_peft()
-    base_path = json.loads((directory / "adapter_config.json").read_text())["base_model_name_or_path"]
-    options = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=settings.get("quant_type", "nf4"),
-                                              bnb_4bit_use_double_quant=settings.get("double_quant", True),
-                                              bnb_4bit_compute_dtype=compute)
-    where = device.index if device.type == "cuda" and device.index is not None else str(device)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, quantization_config=options, dtype=torch.float32,
-                                                             local_files_only=True, device_map={"": where})
-    for m in base.modules():  # bitsandbytes' CPU inference kernel cannot take layers narrower than a block
-        if hasattr(m, "support_avx512bf16_for_cpu"):
-            m.support_avx512bf16_for_cpu = False
-    return peft.PeftModel.from_pretrained(base, str(directory))
-
-
-def load_hf(directory: Path, device: torch.device, config: dict | None = None):
-    """(model, tokenizer, is_classifier) from a transformers or peft directory, local files only;
-    ``config``: the run's saved config (a QLoRA adapter then loads on its 4-bit base)."""
-    from ..hf import import_transformers
-    transformers = import_transformers()
-    adapter = directory / "adapter_config.json"
-    peft_settings = (config or {}).get("peft") or {}
-    if adapter.is_file() and str(peft_settings.get("_target_", "")).endswith(".QLoRA"):
-        precision = str(((config or {}).get("precision") or {}).get("_target_", ""))
-        compute = {"BF16": torch.bfloat16, "FP16": torch.float16}.get(precision.rpartition(".")[2], torch.float32)
-        from ..hf import has_tokenizer
-        if not has_tokenizer(directory):
-            raise ConfigError("RUN_DIR", f"{directory} holds no tokenizer", "train on text data to sample text")
-        try:
-            model = load_qlora(directory, peft_settings, compute, device, transformers)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ConfigError("RUN_DIR", f"{directory} does not load: {' '.join(str(err).split())[:300]}",
-                              "give a run directory of a finished run (it holds hf/)") from None
-        return model.eval(), tokenizer, False
-    if adapter.is_file():
-        from ..peft import import_peft
-        peft = import_peft()
-        task = json.loads(adapter.read_text()).get("task_type")
-        auto = peft.AutoPeftModelForSequenceClassification if task == "SEQ_CLS" else peft.AutoPeftModelForCausalLM
-        classifier = task == "SEQ_CLS"
-    else:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-        auto = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
-    from ..hf import has_tokenizer
-    if not has_tokenizer(directory):
-        raise ConfigError("RUN_DIR", f"{directory} holds no tokenizer (the run's data had none, e.g. data=random)",
-                          "train on text data (data=text, data=instruct) to sample text")
-    try:
-        model = auto.from_pretrained(str(directory), local_files_only=True)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ConfigError("RUN_DIR", f"{directory} does not load: {' '.join(str(err).split())[:300]}",
-                          "give a run directory of a finished run (it holds hf/)") from None
-    return model.to(device).eval(), tokenizer, classifier
-
-
-def generate_hf(directory: Path, prompt: str | None, args, device: torch.device) -> str:
-    run_dir = directory.parent if directory.name == "hf" else directory
-    model, tokenizer, classifier = load_hf(directory, device, run_config(run_dir))
-    prompt, chat = default_prompt(run_dir, prompt, args.raw)
+def generate_hf(done: Finished, prompt: str | None, args, device: torch.device) -> str:
+    model, tokenizer = done.model, done.tokenizer
+    prompt, chat = default_prompt(done.run_dir, prompt, args.raw)
     # a templated prompt holds its special tokens as text: the template's own BOS, nothing added
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).to(device)
-    if classifier:
+    if done.classifier:
         with torch.no_grad():
             probs = model(**inputs).logits.float().softmax(-1)[0]
         labels = model.config.id2label
@@ -169,22 +71,12 @@ def generate_hf(directory: Path, prompt: str | None, args, device: torch.device)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def generate_bundled(run_dir: Path, prompt: str | None, args, device: torch.device) -> str:
-    import hydra
-    from omegaconf import OmegaConf
-    from safetensors.torch import load_model
-    weights = run_dir / "model.safetensors"
-    if not weights.is_file() or not (run_dir / "config.yaml").is_file():
-        if (run_dir / "adapter").is_dir():
-            raise ConfigError("RUN_DIR", f"{run_dir} holds a LoRA adapter of a bundled model, not its weights",
-                              "sample at the end of the run (sample_tokens=N), or load it with looplib.load_lora")
-        raise ConfigError("RUN_DIR", f"{run_dir} holds neither hf/ nor config.yaml + model.safetensors",
-                          "give the directory of a finished run (outputs/DATE/TIME)")
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    model = hydra.utils.instantiate(cfg.model)
-    load_model(model, str(weights))
-    model.to(device).eval()
-    corpus = run_corpus(run_dir)
+def generate_bundled(done: Finished, prompt: str | None, args, device: torch.device) -> str:
+    model = done.model
+    if not hasattr(model, "generate"):
+        raise ConfigError("RUN_DIR", f"the run's model ({type(model).__name__}) has no generate()",
+                          "sample from a language model's run")
+    corpus = done.corpus()
     chat = bool(getattr(corpus, "chat_records", False)) and not args.raw
     if prompt is None:
         prompt = corpus.sample_prompt() if hasattr(corpus, "sample_prompt") else "\n"
@@ -219,14 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens < 1 or args.temperature <= 0 or args.top_k < 1:
             raise ConfigError("--tokens", "--tokens and --top-k must be at least 1, --temperature positive",
                               "e.g. --tokens 100 --temperature 0.8 --top-k 40")
-        directory = hf_directory(run_dir)
-        if directory is not None:
-            text = generate_hf(directory, args.prompt, args, device)
-        else:
-            text = generate_bundled(run_dir, args.prompt, args, device)
+        done = load_finished(run_dir, device)
+        if done.checkpoint is not None and done.checkpoint != run_dir:
+            print(f"looplib: {run_dir} was stopped before its end: sampling from its newest checkpoint, "
+                  f"{done.checkpoint}", file=sys.stderr, flush=True)
+        sample = generate_hf if done.tokenizer is not None else generate_bundled
+        text = sample(done, args.prompt, args, device)
     except ConfigError as err:
         print(f"looplib: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     print(text)
     return 0
 
+
+
+def __getattr__(name: str):
+    """Loading a run's model moved to ``looplib.run.finished`` (a warning says so)."""
+    from ..moved import attribute
+    return attribute(__name__, name)
