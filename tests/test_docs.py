@@ -193,3 +193,19 @@ def test_every_looplib_name_and_path_the_docs_mention_exists():
                 missing.append(f"{doc.relative_to(REPO)}: {path}")
     assert not missing, "\n".join(missing)
     assert seen > 30
+
+
+def test_the_command_lines_group_table_lists_every_option_of_conf():
+    """docs/command-line.md names every option of every config group, as conf/ holds them: the
+    strategy groups' table (`+peft=`: ... `qlora`) and the job's groups (`model=a|b|...`)."""
+    text = (REPO / "docs" / "command-line.md").read_text()
+    conf = REPO / "conf"
+    listed = {}
+    for group, options in re.findall(r"^\| `\+(\w+)=` \| ([^|]+) \|", text, re.M):
+        listed[group] = re.findall(r"`(\w+)`", options)
+    for group, options in re.findall(r"`(model|data|loss)=([\w|]+)`", text):
+        listed.setdefault(group, options.split("|"))
+    groups = {p.name for p in conf.iterdir() if p.is_dir() and p.name not in ("hydra", "logger", "__pycache__")}
+    assert set(listed) == groups
+    for group, options in listed.items():
+        assert sorted(options) == sorted(f.stem for f in (conf / group).glob("*.yaml")), group
