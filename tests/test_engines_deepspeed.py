@@ -124,6 +124,8 @@ def test_cli_stage3_run_exports_what_the_local_engine_trains(tmp_path):
     r = run_cli("+engine=deepspeed", "engine.stage=3", *common, f"hydra.run.dir={tmp_path / 'ds'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert '"managed_gradient_accumulation": false' in r.stdout and '"stage": 3' in r.stdout  # printed
+    header = next(line for line in r.stdout.splitlines() if "] - training " in line)
+    assert "training GPT (" in header and header.endswith("optimizer AdamW"), header  # not DeepSpeed's StepHooks
     a, b = load_file(tmp_path / "ds" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:

@@ -59,6 +59,9 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     trace = losses(tmp_path / "metrics.jsonl")
     assert trace[-1] < trace[0] - 0.1
     model = result.model
+    from looplib.run.training import parameter_counts
+    total, trained = parameter_counts(model)  # the header's count: 4-bit weights at their shape, not packed bytes
+    assert total == sum(p.numel() for p in tiny_gpt().parameters()) + trained and 0 < trained < total / 5
     fresh = quantize(tiny_gpt(), qlora().bnb, "nf4", True, torch.float32, torch.device("cpu"))
     fourbit = {n.replace("base_model.model.", "").replace(".base_layer", ""): m for n, m in model.named_modules()
                if is_4bit(m)}

@@ -121,6 +121,13 @@ def check_sequences_fit(corpus: Any, model: Any) -> None:
                           "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
 
 
+def model_name(model: nn.Module) -> str:
+    """The model as the user chose it: its class, and the transformers class inside looplib's
+    wrapper (``CausalLM (LlamaForCausalLM)``)."""
+    inner = getattr(model, "hf", None)
+    return f"{type(model).__name__} ({type(inner).__name__})" if isinstance(inner, nn.Module) else type(model).__name__
+
+
 def check(parts: Parts, settings: Settings) -> None:
     """The checks between strategies that need no data and no model (so bad input fails before a
     tokenizer is trained or a model is built): the precision on the engine's device, chosen for
@@ -148,6 +155,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     check_sequences_fit(parts.data, parts.model)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)
+    job.model_name = model_name(parts.model)  # the user's model, not what wraps it (FSDP2's FSDPGPT, compile)
     job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         # probed eager, before compiling: probing a compiled model with several batch sizes would

@@ -50,6 +50,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     eval_set = held_out(job)
     with refused("optim", job.record):
         optimizer = job.optim.build(job.model)
+    optimizer_name = type(optimizer).__name__  # the header names it, not the engine's adapter around it (DeepSpeed)
     with refused("schedule", job.record):
         scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, max_grad_norm = engine.prepare(job.model, optimizer, s)
@@ -81,10 +82,11 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
     telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
-    log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
-             "optimizer %s", type(engine.unwrap(job.model)).__name__,
-             sum(p.numel() for p in job.model.parameters()) / 1e6, engine.device, state.step + 1, s.max_steps,
-             micro_batch, s.accum_steps, ranks, job.precision.name, type(optimizer).__name__)
+    total, trained_count = parameter_counts(job.model)
+    log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
+             "optimizer %s", getattr(job, "model_name", None) or type(engine.unwrap(job.model)).__name__, total / 1e6,
+             f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "", engine.device, state.step + 1,
+             s.max_steps, micro_batch, s.accum_steps, ranks, job.precision.name, optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
@@ -129,6 +131,19 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     if run_dir is not None:
         log.info("done: %s", run_dir)
     return trained
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(every parameter, those trained) as the model defines them, whatever holds them: a 4-bit
+    weight counted at its shape, not its packed bytes (bitsandbytes' ``quant_state``); a ZeRO-3
+    partition at its whole size (``ds_numel``); an FSDP2 shard at its global size (a DTensor)."""
+    total = trained = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = getattr(p, "ds_numel", None) or (int(torch.Size(shape).numel()) if shape is not None else p.numel())
+        total += n
+        trained += n if p.requires_grad else 0
+    return total, trained
 
 
 def held_out(job: Job) -> list:
