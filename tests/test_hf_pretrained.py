@@ -48,6 +48,9 @@ def test_fine_tune_through_the_cli_starts_from_the_weights_and_exports_what_it_t
                 f"data.vocab_size={VOCAB}", "data.n_train=4", "data.n_eval=4", "max_steps=3", "batch_size=4",
                 "lr=1e-2", "log_every=1", "eval_samples=4", "sample_tokens=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    for noise in ("torchao", "_pytree", "triton", "bitsandbytes"):  # third-party import notes: not the user's to act on
+        assert noise not in r.stderr, r.stderr
+    assert "training CausalLM (LlamaForCausalLM) (" in r.stdout  # the header names the model inside the wrapper
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     positions = json.loads((tiny_pretrained / "config.json").read_text())["max_position_embeddings"]
     assert f"seq_len: {positions}" in (run_dir / "config.yaml").read_text()

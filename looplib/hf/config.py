@@ -25,7 +25,42 @@ def import_transformers():
     transformers = need("transformers", "hf", "model", "this model")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+    quiet_import("torchao")  # transformers imports it when it loads a model, if installed
+    # torch's notes on the enums a library registers as pytree constants (torchao's, as transformers
+    # imports more of it) are about that library's code: never the user's to act on
+    import logging
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     return transformers
+
+
+# what a library says while it is imported, about code the user does not own: torchao's
+# "Failed to load .../_C_mxfp8...so" and "Detected no triton", torch's pytree notes on the enums
+# torchao registers, bitsandbytes' missing ``kernels`` package
+IMPORT_NOISE = ("torchao", "torch.utils._pytree", "bitsandbytes")
+
+
+def quiet_import(module: str) -> None:
+    """Import ``module`` if it is installed, with its import-time warnings and log lines kept off
+    stderr (the loggers' levels put back afterwards: what the library says later is heard)."""
+    import importlib
+    import logging
+    import sys
+    import warnings
+    if module in sys.modules:
+        return
+    loggers = [logging.getLogger(name) for name in IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - not installed, or broken: whoever needs it says so
+        pass
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def load_config(transformers, path: str | None, model_type: str | None, overrides: dict, wrapper: type):

@@ -125,6 +125,7 @@ def model_name(model: nn.Module) -> str:
     """The model as the user chose it: its class, and the transformers class inside looplib's
     wrapper (``CausalLM (LlamaForCausalLM)``)."""
     inner = getattr(model, "hf", None)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # QLoRA loads its base into peft
     return f"{type(model).__name__} ({type(inner).__name__})" if isinstance(inner, nn.Module) else type(model).__name__
 
 
@@ -153,9 +154,10 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     if check_data is not None:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
+    name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)
-    job.model_name = model_name(parts.model)  # the user's model, not what wraps it (FSDP2's FSDPGPT, compile)
+    job.model_name = name
     job.model = engine.setup(model)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         # probed eager, before compiling: probing a compiled model with several batch sizes would
