@@ -92,6 +92,14 @@ def test_resume_refuses_a_breaking_change_and_accepts_a_safe_one(tmp_path):
         assert r.returncode == status and len(lines) == 1 and said in lines[0], (typed, r.stderr)
         assert "Traceback" not in r.stderr
         assert files_of(run_dir) == before, typed  # byte for byte: config.yaml, .hydra/, train.log, checkpoints
+    # resume=PATH at the checkpoint's own step into a new directory: nothing to do, and no directory left behind
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    r = run_cli(*quick, "max_steps=3", f"resume={newest}", f"hydra.run.dir={tmp_path / 'new'}", cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
+    assert r.returncode == 0 and lines == [f"looplib: nothing to do: the checkpoint {newest} is at step 3 already "
+                                           "(max_steps=3); nothing was written; give max_steps above 3 to train "
+                                           "further"], r.stderr
+    assert not (tmp_path / "new").exists() and files_of(run_dir) == before
     r = run_cli(*quick, "max_steps=6", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "changed: max_steps: 3 -> 6" in r.stdout

@@ -101,3 +101,15 @@ def test_a_killed_run_leaves_its_directory_free(tmp_path):
     finally:
         lock.release(tmp_path)
     assert not path.exists()
+
+
+def test_a_python_run_that_ends_before_training_leaves_no_directory_behind(tmp_path):
+    """The lock lives in the run directory, so holding it makes the directory; a run refused (or
+    with nothing to do) before it trained removes it again: resume=PATH at the checkpoint's own
+    step into a new directory."""
+    from looplib.errors import NothingToDo
+    train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=tmp_path / "a", sample_tokens=0)
+    step = tmp_path / "a" / "checkpoints" / "step-00000002"
+    with pytest.raises(NothingToDo, match=f"the checkpoint {step} is at step 2 already"):
+        train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=tmp_path / "b", resume=step)
+    assert not (tmp_path / "b").exists()

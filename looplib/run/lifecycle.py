@@ -91,7 +91,8 @@ def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path
         if not isinstance(end, LostRank):
             end.line = ending(end, signals, record, run_dir)
         ours = run_dir is not None and (not shared or holds(run_dir))  # rank 0's directory is rank 0's to clean
-        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull, PeerRefused)) and ours \
+        if not signals.training and isinstance(end, (ConfigError, Interrupted, DiskFull, PeerRefused, NothingToDo)) \
+                and ours \
                 and not isinstance(end, DirectoryHeld):  # another run's directory: not a byte of it is ours
             forget(run_dir, fresh)  # found before training: nothing of this run stays behind
         if end is err:

@@ -49,8 +49,9 @@ class DirectoryHeld(ConfigError):
 class Held:
     """This process's hold on one run directory (``count``: how many ``hold`` calls it answers)."""
 
-    def __init__(self, path: Path, fd: int | None):
+    def __init__(self, path: Path, fd: int | None, made: bool = False):
         self.path, self.fd, self.count, self.thread = path, fd, 1, threading.get_ident()
+        self.made = made  # the directory was made to hold the lock: removed again if the run left it empty
 
 
 _HELD: dict[Path, Held] = {}
@@ -86,6 +87,7 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
         raise DirectoryHeld(key, f"{run_dir} is held by another run of this process (pid {os.getpid()}, another "
                             "thread): two runs in one directory would write over each other's checkpoints and metrics",
                             f"wait for that run to end, or give another directory ({key}=...)")
+    made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = lock_path(run_dir)
     while True:
@@ -104,7 +106,7 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
                 raise
             log.warning("the file system of %s takes no file locks (%s): a second run started in this directory "
                         "would not be refused", run_dir, os.strerror(err.errno))
-            held = _HELD[run_dir] = Held(run_dir, None)
+            held = _HELD[run_dir] = Held(run_dir, None, made)
             return held
         try:  # the file we locked is still the one at the path (its last holder removes it on release)
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -116,7 +118,7 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                               "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}).encode(), 0)
-    held = _HELD[run_dir] = Held(run_dir, fd)
+    held = _HELD[run_dir] = Held(run_dir, fd, made)
     return held
 
 
@@ -133,6 +135,11 @@ def release(run_dir: Path) -> None:
     if held.fd is not None:
         lock_path(run_dir).unlink(missing_ok=True)  # before unlocking: a waiting run then makes a new one
         os.close(held.fd)
+    if held.made:
+        try:
+            run_dir.rmdir()  # a run that wrote nothing (refused before training) leaves no directory behind
+        except OSError:
+            pass
 
 
 def holds(run_dir: Path) -> bool:

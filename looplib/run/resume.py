@@ -143,9 +143,12 @@ def check_steps(path: Path, at: int, max_steps: int, run_dir: Path | None) -> No
         raise ConfigError("max_steps", f"max_steps={max_steps} is below the step of the checkpoint it resumes "
                           f"({at}, {path}): a run cannot go back", f"give max_steps above {at} to train further, "
                           f"or start a new run in a new directory to train {max_steps} steps")
-    if at == max_steps:
+    if at == max_steps and run_dir is not None and Path(path).resolve().is_relative_to(Path(run_dir).resolve()):
         raise NothingToDo(f"the run in {run_dir} is at step {at} already (max_steps={max_steps}), its files "
                           f"untouched; give max_steps above {at} to train further")
+    if at == max_steps:  # a checkpoint of another run, into a new directory: which is left as it was (none)
+        raise NothingToDo(f"the checkpoint {path} is at step {at} already (max_steps={max_steps}); nothing was "
+                          f"written; give max_steps above {at} to train further")
 
 
 def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
