@@ -182,6 +182,9 @@ def test_an_optuna_search_under_torchrun_trains_one_configuration_per_trial(tmp_
                 f"hydra.sweep.dir={sweep}", cwd=tmp_path, module="torch.distributed.run",
                 env={"PYTHONFAULTHANDLER": "1"})  # a rank that aborts says where
     assert r.returncode == 0, r.stderr
+    said = [line.split("]", 2)[-1] for line in (r.stdout + r.stderr).splitlines() if "[HYDRA]" in line]
+    assert said.count(" Launching 1 jobs locally") == 3, said  # Hydra's launch lines: rank 0's, not once per rank
+    assert sum(line.startswith(" \t#0 : ") for line in said) == 1, said
     study = optuna.load_study(study_name="looplib", storage=f"sqlite:///{sweep / 'study.db'}")
     trials = study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE"] * 3 and len({t.params["lr"] for t in trials}) == 3

@@ -14,6 +14,7 @@ looplib's line; ``1``, Hydra's full report.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..engines import board
-from ..engines.launch import launched_world, strip_launcher_args
+from ..engines.launch import launched_rank, launched_world, strip_launcher_args
 from ..errors import EXIT_CONFIG, Interrupted
 from ..run import rundir
 from ..run.lifecycle import refused_line
@@ -135,6 +136,9 @@ def run(main: Callable[[], None], argv: list[str] | None = None) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     args = normalise(strip_launcher_args(list(sys.argv[1:] if argv is None else argv)))
+    if launched_world()[0] > 1 and launched_rank() != 0:  # one voice: Hydra's launch lines from rank 0 only
+        for name in ("hydra", "hydra_plugins"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     prog, saved_argv, tried = sys.argv[0], list(sys.argv), set()
     try:
         while True:  # each retry follows one piece of Hydra's advice, never the same arguments twice

@@ -18,6 +18,7 @@ from ..engines.launch import launched_rank, launched_world
 from ..errors import ConfigError
 
 log = logging.getLogger("looplib")
+SAID: list[str] = []
 
 
 def default_engine(chosen: bool) -> str | None:
@@ -26,7 +27,8 @@ def default_engine(chosen: bool) -> str | None:
     world, who = launched_world()
     if world <= 1 or chosen:
         return None
-    if launched_rank() == 0:
+    if launched_rank() == 0 and not SAID:  # once a process (a sweep checks every job first, then runs each)
+        SAID.append(who)
         log.info("%s started %d processes and no engine was chosen: training with +engine=ddp (one run, gradients "
                  "averaged over the processes; choose another with +engine=fsdp or +engine=deepspeed)", who, world)
     return "ddp"
