@@ -1,6 +1,7 @@
 """Data from the user's files: text, instruct and classification corpora, the token cache, packing,
 padding, exact resume, bounded memory, and every bad input as one line."""
 import json
+import os
 import random
 import subprocess
 import sys
@@ -398,6 +399,11 @@ def test_unshifted_labels_are_refused():
     assert TokenCrossEntropy().count({"input_ids": same, "labels": same}) == 9
 
 
+def fifo(path):
+    os.mkfifo(path)
+    return path
+
+
 def bad_cases(tmp_path, tok_file, tok):
     t = dict(tokenizer=str(tok_file), vocab_size=tok.get_vocab_size())
     (tmp_path / "empty").mkdir()
@@ -426,6 +432,10 @@ def bad_cases(tmp_path, tok_file, tok):
                          f"data.path: {tmp_path / 'nope'} does not exist"),
         "no path": (lambda: TextCorpus(None, 8, **t), "data.path: no files given"),
         "empty files": (lambda: TextCorpus(str(tmp_path / "empty"), 8, **t), "holds no text"),
+        "empty files, a tokenizer to train": (lambda: TextCorpus(str(tmp_path / "empty"), 8, vocab_size=300),
+                                              f"data.path: {tmp_path / 'empty' / 'a.txt'} and 1 more holds no text"),
+        "a named pipe": (lambda: TextCorpus(str(fifo(tmp_path / "pipe")), 8, **t),
+                         f"data.path: {tmp_path / 'pipe'} is a named pipe (FIFO), not a file or directory of data"),
         "not JSON": (lambda: TextCorpus(str(tmp_path / "bad.jsonl"), 8, **t), f"{tmp_path / 'bad.jsonl'}:3 is not JSON"),
         "missing field": (lambda: TextCorpus(str(tmp_path / "body.jsonl"), 8, **t),
                           "data.field: " + str(tmp_path / "body.jsonl") + ":1 has no field 'text' (fields: body, id)"),
@@ -448,6 +458,7 @@ def test_every_bad_input_is_one_line_and_leaves_no_cache(tmp_path, tok_file, tok
         assert message in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
         entries = list(cache_dir.iterdir()) if cache_dir.exists() else []  # none half-written
         assert all(".tmp" not in p.name and (not p.name.startswith("text-") or load(p)) for p in entries), name
+        assert not [p for p in entries if p.name.startswith("tokenizer-")], name  # none trained on nothing
     replaced = TextCorpus(str(tmp_path / "latin1.txt"), 2, eval_fraction=0, errors="replace", tokenizer=str(tok_file),
                           vocab_size=tok.get_vocab_size())
     assert "caf\ufffd" in replaced.decode(replaced.train.tokens.read(0, len(replaced.train.tokens)).tolist())

@@ -73,7 +73,9 @@ class FileCorpus(Corpus):
     def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path], digests: list[str]) -> TokenizerInfo:
         if spec is None:
             key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files, digests))
-            info = train_tokenizer(lambda: self.texts(files), vocab_size, key)
+            info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=ConfigError(
+                "data.path", f"{describe_files(files)} holds no text (every file or record is empty)",
+                "give files with text in them"))
             self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
             return info
         info = load_tokenizer(str(spec))

@@ -41,12 +41,33 @@ def resolve_files(path: str | list[str] | None, key: str = "data.path") -> list[
                      and not any(part.startswith(".") for part in p.relative_to(root).parts)]
         elif Path(spec).is_file():
             found = [Path(spec)]
+        elif not_a_file(Path(spec)):
+            raise ConfigError(key, f"{spec} is {not_a_file(Path(spec))}, not a file or directory of data",
+                              f"give a regular file (or a directory or glob of them) in {key}: looplib reads its data "
+                              "more than once (its fingerprint, then its tokens)")
         else:
             raise ConfigError(key, f"{spec} does not exist", f"give an existing file, directory or glob in {key}")
         if not found:
             raise ConfigError(key, f"{spec} matches no files", f"give a file, a directory holding files, or a glob in {key}")
         files.extend(found)
     return list(dict.fromkeys(p.resolve() for p in files))
+
+
+def not_a_file(path: Path) -> str | None:
+    """What ``path`` is when it exists but is neither a regular file nor a directory (a named
+    pipe, a socket, a device, a link to nothing), or None."""
+    import stat
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if path.is_symlink() else None
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return None
 
 
 def is_records(path: Path) -> bool:

@@ -144,12 +144,13 @@ def specials(tok) -> tuple[list[int], list[int]]:
 
 
 def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
-                    root: Path | None = None) -> TokenizerInfo:
+                    root: Path | None = None, nothing: ConfigError | None = None) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
     cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
     temporary directory, then renamed). A cached file that does not load is trained again,
     except under a resume: then the run's own tokenizer is used or the resume refused
-    (``identity.trained_tokenizer``)."""
+    (``identity.trained_tokenizer``). ``texts()`` that hold no text (empty or blank files) are
+    refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     if vocab_size < 257:
@@ -168,9 +169,13 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             shutil.rmtree(target, ignore_errors=True)
 
+    found = []
+
     def limited():
         seen = 0
         for text in texts():
+            if not found and text.strip():
+                found.append(True)
             yield text
             seen += len(text)
             if seen >= TRAIN_BYTES:
@@ -180,6 +185,9 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
                             show_progress=False)
+    if not found:  # nothing to learn from: no tokenizer of 257 bytes goes into the cache
+        raise nothing or ConfigError("data.path", "the data holds no text to train a tokenizer on (every file or "
+                                     "record is empty)", "give files with text in them")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_dir_beside(target, target.name + ".tmp")
