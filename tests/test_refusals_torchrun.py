@@ -3,6 +3,7 @@ lines from several ranks said once), the others say they stopped because that ra
 preemption), and ``LOOPLIB_EXIT_FILE`` holds 2, never 75."""
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,16 +42,35 @@ def torchrun(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> tu
     return said, out, status.read_text().strip()
 
 
-@pytest.mark.parametrize("refuser", [1, 0])
-def test_the_rank_that_refuses_says_why_and_the_other_says_it_stopped_because_of_it(tmp_path, refuser):
-    """A setting only one rank refuses (tests/refusing.py), forced on rank 1 (the case whose line
-    was lost: torchrun stopped rank 0 first) and on rank 0."""
-    said, out, status = torchrun(tmp_path, "+precision._target_=refusing.RefuseOnRank", f"+precision.rank={refuser}")
-    assert said[refuser] == [f"looplib: error: precision.rank: rank {refuser} refuses this job (a test's setting); "
-                             "leave precision.rank out"], out
-    assert said[1 - refuser] == [f"looplib: stopped: rank {refuser} refused the job, so the other ranks stopped too "
-                                 "(nothing was trained)"], out
+def test_the_rank_that_refuses_says_why_and_the_other_says_it_stopped_because_of_it(tmp_path):
+    """A setting only rank 1 refuses (tests/refusing.py): the case whose line was lost, torchrun
+    stopping rank 0 first with "stopped (SIGTERM)" and 75 in the exit file."""
+    said, out, status = torchrun(tmp_path, "+precision._target_=refusing.RefuseOnRank", "+precision.rank=1")
+    assert said[1] == ["looplib: error: precision.rank: rank 1 refuses this job (a test's setting); "
+                       "leave precision.rank out"], out
+    assert said[0] == ["looplib: stopped: rank 1 refused the job, so the other ranks stopped too "
+                       "(nothing was trained)"], out
     assert status == "2"
+
+
+def test_a_run_directory_held_by_another_run_is_refused_by_rank_0_for_every_rank(tmp_path):
+    """Only rank 0 holds (and so refuses) the run directory (looplib.run.lock): it says whose it
+    is; rank 1, which never looked, says it stopped because rank 0 refused. Nothing is written
+    into the held directory (no .hydra/ of either rank)."""
+    from looplib.run import lock
+    held = tmp_path / "run"
+    lock.hold(held, "hydra.run.dir")  # another run: this test's process
+    try:
+        said, out, status = torchrun(tmp_path, run_dir=held)
+        assert said[0] == [f"looplib: error: hydra.run.dir: {held} is held by another run (host {socket.gethostname()}, "
+                           f"pid {os.getpid()}, since " + said[0][0].split(", since ")[-1]], out
+        assert said[0][0].endswith("give another directory (hydra.run.dir=...)")
+        assert said[1] == ["looplib: stopped: rank 0 refused the job, so the other ranks stopped too "
+                           "(nothing was trained)"], out
+        assert status == "2"
+        assert sorted(p.name for p in held.iterdir()) == [lock.LOCK_NAME]  # the holder's file, and nothing else
+    finally:
+        lock.release(held)
 
 
 CASES = [["lr=-1"], ["+engine=fsdp", "+optim=adafactor"],
