@@ -40,10 +40,20 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def key(name: str) -> str:
-    """One key space per launch and restart (torchrun --max-restarts starts a fresh one)."""
-    return "looplib/{}/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
-                                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), name)
+_JOBS = [0]  # jobs this process has run to their end (a sweep's, or train_model called again): each its own keys
+
+
+def key(name: str, per_job: bool = True) -> str:
+    """One key space per launch and restart (torchrun --max-restarts starts a fresh one), and per
+    job within them (every rank runs the same jobs in the same order)."""
+    return "looplib/{}/{}/{}{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+                                       os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                                       f"job{_JOBS[0]}/" if per_job else "", name)
+
+
+def job_done() -> None:
+    """This process's job has ended (``looplib.run.lifecycle.execute``): the next one reads a clean board."""
+    _JOBS[0] += 1
 
 
 def agent_store() -> bool:
@@ -120,7 +130,7 @@ def check_in(timeout_s: float) -> None:
     if s is None:
         return
     try:
-        s.add(key("checked_in"), 1)
+        s.add(key("checked_in", per_job=False), 1)
     except Exception:  # noqa: BLE001 - the group's rendezvous will report what is wrong
         return
     deadline = time.monotonic() + timeout_s
@@ -129,7 +139,7 @@ def check_in(timeout_s: float) -> None:
         if refused is not None:
             raise refused
         try:
-            if s.add(key("checked_in"), 0) >= world():
+            if s.add(key("checked_in", per_job=False), 0) >= world():
                 return
         except Exception:  # noqa: BLE001
             return

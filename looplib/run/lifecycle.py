@@ -49,6 +49,7 @@ def execute(make: Callable[[], tuple[Parts, Settings, Record]], run_dir: Path | 
     finally:
         for path in held:
             release(path)
+        board.job_done()
 
 
 def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path | None, export: bool, key: str,
