@@ -1,16 +1,17 @@
 """A run's whole life, in one function: ``execute``. The command line (``looplib.cli.main``) and
 ``train_model`` (``looplib.run.api``) both call it; neither closes, cleans or reports anything itself.
 
-    make the parts (cheap)  ->  check  ->  every rank agrees  ->  the run directory every rank shares
-        ->  the checkpoint a resume continues from  ->  the expensive parts (data, model)  ->  build
-        ->  train  ->  close the engine
+    make the parts (cheap)  ->  check  ->  every rank agrees  ->  the run directory every rank shares,
+        held by rank 0 for this run alone (looplib.run.lock)  ->  the checkpoint a resume continues
+        from  ->  the expensive parts (data, model)  ->  build  ->  train  ->  close the engine
 
 However the run ends, the precision puts back what its setup changed in the process (TF32's
 flags) exactly once, and the ending is one exception, ``looplib.errors.RunEnded``, whose
 ``status`` is the command line's exit status and whose ``line`` is what it says (set here, once,
 for every kind of ending: a refused setting, too many non-finite steps, a failed save, a lost
-rank, a signal). A run refused or stopped before it trained leaves nothing behind in a run
-directory that held nothing before it.
+rank, a signal). A refusal is said by the rank that refuses, whatever its rank, and the other
+ranks say they stopped because of it (``looplib.engines.board``). A run refused or stopped before
+it trained leaves nothing behind in a run directory that held nothing before it.
 """
 from __future__ import annotations
 
