@@ -75,7 +75,9 @@ def test_train_model_meets_the_same_launcher_rules(monkeypatch, tmp_path, caplog
     from conftest import random_tokens, tiny_gpt
     from looplib import ConfigError, Local, train_model
     from looplib.engines import DDP
+    from looplib.run import launcher
     from looplib.run.launcher import engine_for
+    monkeypatch.setattr(launcher, "SAID", [])
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as err:
@@ -128,6 +130,8 @@ def test_each_launcher_without_an_engine_gets_ddp(monkeypatch, caplog, env, who)
     from omegaconf import OmegaConf
 
     from looplib.cli import instantiate
+    from looplib.run import launcher
+    monkeypatch.setattr(launcher, "SAID", [])  # said once a process: this test's process may have said it
     for key in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "LOCAL_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
     assert instantiate.launcher_defaults(OmegaConf.create({})) == {}  # one process: the local engine stays
