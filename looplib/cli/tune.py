@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..engines.launch import relaunch
 from ..errors import EXIT_CONFIG, ConfigError, Interrupted, exit_status, signal_name
 from ..schema import check_options, refuse_unknown
 from ..tune import stats
@@ -287,13 +288,9 @@ def outcome(cmd: Command, search: Search, device, device_name: str, size: int, m
                 "reference": ref.candidate.label() if ref else None, "too_noisy": search.too_noisy},
             "best": None if best_row is None else {
                 "overrides": best_row.overrides, "candidate": best.label(),
-                "command": command(without(cmd.job, best_row.overrides), best_row.overrides, launcher(size)),
+                "command": command(without(cmd.job, best_row.overrides), best_row.overrides, relaunch("looplib.train")),
                 "job_s": round(search.time(best_row), 2) if best_row.measured else None,
                 "samples_per_s": best_row.speed}}
-
-
-def launcher(size: int) -> str:
-    return "python" if size == 1 else f"torchrun --nproc_per_node {size}"
 
 
 def dry_run(search: Search) -> None:

@@ -74,9 +74,10 @@ def pays_off_text(steps: float | None) -> str:
     return "at once" if steps == 0 else f"after {steps:,.0f} steps"
 
 
-def command(job: list[str], overrides: list[str], launcher: str = "python") -> str:
-    """The command line a user pastes: ``python -m looplib.train`` (or torchrun's) with the overrides."""
-    return " ".join([launcher, "-m", "looplib.train", *map(shlex.quote, [*job, *overrides])])
+def command(job: list[str], overrides: list[str], start: str = "python -m looplib.train") -> str:
+    """The command line a user pastes: ``start`` (``python -m looplib.train``, or under torchrun
+    ``torchrun --nproc_per_node N -m looplib.train``: ``looplib.engines.launch.relaunch``) with the overrides."""
+    return " ".join([start, *map(shlex.quote, [*job, *overrides])])
 
 
 def write(run_dir: Path, result: dict) -> None:
