@@ -374,6 +374,44 @@ def test_a_signal_stops_the_candidate_and_keeps_what_was_measured(tmp_path):
     assert "stopped by SIGTERM" in out and out.strip().splitlines()[-1] == result["best"]["command"]
 
 
+def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
+    """SIGTERM to rank 1's tuner under torchrun (tune.timeout_s=60, well above a run): both ranks
+    stop at once (rank 0 hears it from the store), both candidates' process groups are killed,
+    rank 0 writes tune.json naming the rank and signal, every rank says one line and exits 75;
+    no rank hangs in a collective its peer left, none ends with a traceback."""
+    from looplib.engines.launch import free_port
+    env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0"}
+    job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
+           "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), "-m", "looplib.tune", *job, "tune.search=[batch]", *BARE,
+                             "tune.repeats=1", "tune.timeout_s=60", f"hydra.run.dir={tmp_path / 't'}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    second, deadline, children = str(tmp_path / "t" / "candidates" / "001"), time.time() + 300, []
+    while len(children) < 2 and proc.poll() is None and time.time() < deadline:  # both ranks' second candidate
+        time.sleep(0.05)
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and second in cmdline(p)
+                    and "looplib.train" in cmdline(p)]
+    assert len(children) == 2, proc.communicate(timeout=60)
+    tuners = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    [rank1] = [pid for pid in tuners if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+    time.sleep(0.5)  # mid-candidate
+    os.kill(rank1, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)  # (it hung for 500 s)
+    assert not any(alive(pid) for pid in children), "a candidate outlived the stop"
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and group_of(p) in children]
+    assert err.count("exitcode  : 75") == 2, out[-3000:] + err[-3000:]  # torchrun's summary: each rank 75
+    assert err.count("Traceback (most recent call last)") <= 1 and "looplib" not in err.split("ChildFailedError")[0]
+    result = json.loads((tmp_path / "t" / "tune.json").read_text())
+    assert result["interrupted"] and result["stopped_by"] == "SIGTERM" and result["stopped_on_rank"] == 1
+    by = {x["candidate"]: x for x in result["rows"]}
+    assert by["as given"]["status"] == "measured" and by["1x2"]["status"] == "interrupted"
+    assert "[tune] rank 1: stopped by SIGTERM; rank 0 writes what was measured to" in out
+    assert "[tune] stopped by SIGTERM on rank 1: what was measured is in tune.json" in out
+    assert out.strip().splitlines()[-1] == result["best"]["command"]
+    assert result["best"]["command"].startswith("torchrun --nproc_per_node 2 -m looplib.train ")
+
+
 def cmdline(pid: str) -> str:
     try:
         return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
