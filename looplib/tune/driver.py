@@ -65,7 +65,36 @@ def memory_limit(tune: Tune, device) -> tuple[int | None, str]:
     return int(total * (1 - tune.margin)), f"{what}, {tune.margin:.0%} kept free"
 
 
-def cache_file(job: list[str], tune: Tune, device_name: str, world: int) -> Path:
+def machine(device) -> dict:
+    """What the runs are measured under: the cores this process may use, the threads torch gives
+    each run (``OMP_NUM_THREADS``, else torch's default; the runs inherit it), the processes on this
+    host (a tuner and its run per rank), and the load now."""
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"cores": cores, "threads": torch.get_num_threads(),
+            "processes": int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "cpu": device.type == "cpu",
+            "load": round(os.getloadavg()[0], 2)}
+
+
+def oversubscribed(m: dict, load: float) -> str | None:
+    """Why the machine is oversubscribed for the runs (None: it is not): a load above its cores, or
+    (measuring on the CPU) more threads x processes than cores."""
+    why = []
+    if load > m["cores"]:
+        why.append(f"load {load:.1f} on {m['cores']} cores")
+    if m["cpu"] and m["threads"] * m["processes"] > m["cores"]:
+        why.append(f"{m['threads']} threads x {m['processes']} process(es) on {m['cores']} cores")
+    return "; ".join(why) or None
+
+
+def warn_oversubscribed(why: str | None, main: bool, when: str) -> None:
+    if why and main:
+        print(f"[tune] the machine is oversubscribed {when} ({why}): the runs compete for cores, so they measure "
+              "slower and noisier than the job would run alone; set OMP_NUM_THREADS to fit the cores (e.g. "
+              "OMP_NUM_THREADS=1), or measure on a quieter machine", flush=True)
+
+
+def cache_file(job: list[str], tune: Tune, device_name: str, world: int, threads: int) -> Path:
     import torch
     from ..version import __version__
     from ..data.tokenizer import cache_root
@@ -74,8 +103,8 @@ def cache_file(job: list[str], tune: Tune, device_name: str, world: int) -> Path
         if module in sys.modules:
             versions[module] = getattr(sys.modules[module], "__version__", "?")
     settings = {k: v for k, v in vars(tune).items() if k not in ("fresh", "dry_run")}
-    blob = json.dumps({"device": device_name, "versions": versions, "world": world, "job": job,
-                       "tune": settings}, sort_keys=True, default=str)
+    blob = json.dumps({"device": device_name, "versions": versions, "world": world, "threads": threads, "job": job,
+                       "tune": settings}, sort_keys=True, default=str)  # another thread count: other timings
     return cache_root() / "tune" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
 
 
@@ -132,7 +161,8 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
     if world:
         run_dir = Path(world.broadcast(str(run_dir)))
     check_run_dir(run_dir, None, "hydra.run.dir")
-    cached = cache_file(job_overrides, tune, device_name, size)
+    host = machine(device)
+    cached = cache_file(job_overrides, tune, device_name, size, host["threads"])
     if cached.exists() and not tune.fresh and not tune.dry_run:
         result = json.loads(cached.read_text())
         if main:
@@ -152,6 +182,12 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
                     world, limit_measured=device.type == "cuda", progress=Progress(main), stop=stop,
                     note=lambda text: main and print(f"[tune] {text}", flush=True))
     loads = [os.getloadavg()[0]]
+    warn_oversubscribed(oversubscribed(host, loads[0]), main, "as tune starts")
+    if main and not tune.dry_run:  # what it will cost, before it costs it (and once the job as given ran)
+        likely, most = search.runs_planned()
+        print(f"[tune] the search: about {likely} runs (at most {most}) of the job in small, "
+              f"{(tune.repeats + 1) * tune.steps} steps and up to 2 evaluations each, against the job's "
+              f"{job_plan.describe()}; at most tune.budget_s={tune.budget_s:g} s", flush=True)
     try:
         with signals.deferred():  # a signal sets a flag; the search polls it (a second Ctrl-C: at once)
             try:
@@ -165,9 +201,9 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
         signals.finish()  # from here a signal changes nothing: the rows are written whole
         if stopped:
             search.interrupt(stopped)
-        result = outcome(job_overrides, tune, search, device, device_name, size, memory, job_plan, stopped,
-                         loads + [os.getloadavg()[0]] + [o.timing.load for r in search.rows for o in r.runs
-                                                         if o.timing and o.timing.load is not None])
+        loads += [os.getloadavg()[0]] + [o.timing.load for r in search.rows for o in r.runs
+                                         if o.timing and o.timing.load is not None]
+        result = outcome(job_overrides, tune, search, device, device_name, size, memory, job_plan, stopped, loads, host)
         if world:  # every rank took the same decisions from the same agreed outcomes: checked, not assumed
             result["ranks"] = world.gather(result["best"] and result["best"]["candidate"], "end", stoppable=False,
                                            timeout_s=120)
@@ -194,7 +230,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
 
 
 def outcome(job: list[str], tune: Tune, search: Search, device, device_name: str, size: int, memory: str,
-            job_plan: JobPlan, stopped: int | None, loads: list[float]) -> dict:
+            job_plan: JobPlan, stopped: int | None, loads: list[float], host: dict) -> dict:
     """tune.json's content: the settings, the job's plan, every row, the decision and the best command."""
     from ..engines.launch import relaunch
     best = search.best()
@@ -205,7 +241,11 @@ def outcome(job: list[str], tune: Tune, search: Search, device, device_name: str
             "objective": job_plan.describe(), "job_plan": vars(job_plan),
             "peak_mem_measures": ("GPU memory allocated by torch tensors (peak)" if device.type == "cuda" else
                                   "the rise of the process's resident memory during the run (RSS peak - RSS at start)"),
-            "load": {"min": round(min(loads), 2), "max": round(max(loads), 2), "cores": os.cpu_count()},
+            "load": {"min": round(min(loads), 2), "max": round(max(loads), 2), "cores": host["cores"],
+                     "threads": host["threads"], "processes": host["processes"],
+                     "oversubscribed": oversubscribed(host, max(loads))},
+            "cost": dict(search.cost, search_s=round(search.elapsed(), 1),  # the job's time: its final prediction
+                         **({"job_s": round(search.time(ref), 2)} if ref is not None and ref.measured else {})),
             "interrupted": bool(stopped), "stopped_by": signal_name(stopped) if stopped else None,
             "elapsed_s": round(search.elapsed(), 1), "rounds": search.rounds, "primed": search.primes,
             "rows": [row_dict(r, search) for r in search.rows],
@@ -241,8 +281,15 @@ def dry_run(search: Search) -> None:
 
 
 def finish(result: dict, run_dir: Path) -> None:
-    print(f"[tune] {len(result['rows'])} candidates in {result['elapsed_s']:.0f} s; tune.json, tune.md, tune.png in "
-          f"{run_dir}", flush=True)
+    job_s = (result.get("cost") or {}).get("job_s")
+    print(f"[tune] {len(result['rows'])} candidates in {result['elapsed_s']:.0f} s"
+          + (f" ({result['elapsed_s'] / job_s:,.1f}x the job as given, predicted {job_s:,.1f} s)" if job_s else "")
+          + f"; tune.json, tune.md, tune.png in {run_dir}", flush=True)
+    load = result.get("load") or {}
+    if load.get("oversubscribed"):
+        print(f"[tune] measured on an oversubscribed machine ({load['oversubscribed']}; load {load['min']}-"
+              f"{load['max']}): its times are slower and noisier than the job alone; the intervals in tune.md say "
+              "how sure each verdict is", flush=True)
     decision = result.get("decision")
     if result.get("interrupted"):
         where = result.get("stopped_on_rank")

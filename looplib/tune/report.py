@@ -126,7 +126,19 @@ def markdown(result: dict) -> str:
              "its 95% interval (Welch's t on the runs' log times).",
              f"Memory: {result['memory']}. Peak memory measures {result.get('peak_mem_measures', 'the peak')}.",
              f"Machine load (1-minute load average) during the search: {load.get('min', '-')} to {load.get('max', '-')} "
-             f"on {load.get('cores', '-')} cores.", ""]
+             f"on {load.get('cores', '-')} cores" + (f"; each run used {load['threads']} thread(s), "
+                                                      f"{load.get('processes', 1)} process(es) on this host"
+                                                      if load.get("threads") else "") + "."]
+    if load.get("oversubscribed"):
+        lines += [f"**Oversubscribed** ({load['oversubscribed']}): the runs competed for cores, so every time here is "
+                  "slower and noisier than the job alone would run; OMP_NUM_THREADS to fit the cores, or a quieter "
+                  "machine, measures closer."]
+    cost = result.get("cost") or {}
+    if cost.get("job_s") and cost.get("search_s"):
+        lines += [f"The search took {cost['search_s']:,.0f} s, {cost['search_s'] / cost['job_s']:,.1f}x the job as given "
+                  f"(predicted {cost['job_s']:,.1f} s); it planned about {cost.get('runs_likely', '?')} runs of "
+                  f"{cost.get('run_s') or 0:,.1f} s."]
+    lines.append("")
     decision = result.get("decision") or {}
     if decision.get("why"):
         lines += [f"**Choice**: {decision.get('candidate', '-')}: {decision['why']}.", ""]

@@ -72,6 +72,7 @@ class Search(Verdicts):
     why: str = ""
     too_noisy: list[str] = field(default_factory=list)
     runs_started: int = 0
+    cost: dict = field(default_factory=dict)   # what the search will cost against the job (said before it runs)
 
     # ---------------------------------------------------------------- one candidate
     def row(self, c: Candidate) -> Row | None:
@@ -160,6 +161,35 @@ class Search(Verdicts):
         self.primes.append({"candidate": c.label(), "status": outcome.status, "wall_s": round(outcome.wall_s, 1),
                             "what": "the token and file caches"})
 
+    def runs_planned(self) -> tuple[int, int]:
+        """(likely, at most) timed runs of the search: the micro-batches, checkpointing where it is
+        measured, each other option once, the leader confirmed, the finals' rounds; at most every
+        micro-batch with every checkpointing option, the winners together twice, every round."""
+        options, tune = self.space.options, self.tune
+        batch, ckpt = len(options.get("batch", [])) or 1, len(options.get("checkpointing", [])) or 1
+        others = sum(len(v) - 1 for k, v in options.items() if k not in ("batch", "checkpointing"))
+        confirm = 2 if others else 0
+        finals = (tune.finalists + 1) if tune.finalists else 0
+        likely = batch + ckpt - 1 + others + confirm + finals * tune.rounds
+        most = batch * ckpt + others + confirm + 2 + finals * tune.max_rounds
+        return likely, max(likely, most)
+
+    def say_cost(self, given: Row) -> None:
+        """What the search will cost against the job, once the job as given ran: its predicted time,
+        a run's wall time, the runs to come (also in tune.json's ``cost``)."""
+        likely, most = self.runs_planned()
+        run_s = sum(o.wall_s for o in given.runs) / len(given.runs) if given.measured else None
+        job_s = self.time(given) if given.measured else None
+        self.cost.update(runs_likely=likely, runs_most=most, run_s=run_s and round(run_s, 2),
+                         job_s=job_s and round(job_s, 2), budget_s=self.tune.budget_s)
+        if run_s is None:
+            return
+        search_s = min(likely * run_s, self.tune.budget_s)
+        self.cost["search_s_likely"] = round(search_s, 1)
+        self.note(f"the job as given is predicted to take {job_s:,.1f} s; a measuring run took {run_s:,.1f} s, so "
+                  f"the search's ~{likely} runs (at most {most}) should take ~{search_s:,.0f} s, "
+                  f"{search_s / job_s:,.1f}x the job itself (tune.budget_s={self.tune.budget_s:g} bounds it)")
+
     def compiles(self, c: Candidate) -> bool:
         option = c.get("compile")
         if option is not None:
@@ -208,7 +238,8 @@ class Search(Verdicts):
     def run(self) -> list[Row]:
         if self.tune.prime:
             self.prime_caches()
-        self.try_(Candidate(), "the job as given")
+        given = self.try_(Candidate(), "the job as given")
+        self.say_cost(given)
         self.batch_and_checkpointing()
         others = [d for d in self.space.options if d not in ("batch", "checkpointing")]
         base = (self.confirmed_leader() if others else self.leader()) or Candidate()

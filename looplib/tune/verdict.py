@@ -157,6 +157,14 @@ class Verdicts:
         faster = [r for r in eligible if r.verdict == stats.FASTER]
         self.too_noisy = [r.candidate.label() for r in eligible if r.verdict == stats.NOISY
                           and r.vs_reference.ratio < 1 and r in self.finalists_measured()]
+        judged = [r for r in eligible if r is not ref and r.vs_reference is not None and r.vs_reference.low is not None]
+        if not judged:  # nothing measured again beside the reference: no interval, so no claim about noise
+            self.choice = ref
+            self.why = ("no other candidate ran within the limits: the job as given stays"
+                        if all(r is ref for r in eligible) else
+                        "no candidate was measured again beside the reference (no finals ran: tune.finalists=0, "
+                        "or the budget ran out), so none can be called faster: the job as given stays")
+            return
         if not faster:
             self.choice = ref
             self.why = ("no candidate finishes this job faster than the reference beyond the noise" +
