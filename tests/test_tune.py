@@ -421,7 +421,8 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
     rank 0 writes tune.json naming the rank and signal, every rank says one line and exits 75;
     no rank hangs in a collective its peer left, none ends with a traceback."""
     from looplib.engines.launch import free_port
-    env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0"}
+    env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0",
+           "LOOPLIB_EXIT_FILE": str(tmp_path / "status")}
     job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
            "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -442,6 +443,7 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
     assert not any(alive(pid) for pid in children), "a candidate outlived the stop"
     assert not [p for p in os.listdir("/proc") if p.isdigit() and group_of(p) in children]
     assert err.count("exitcode  : 75") == 2, out[-3000:] + err[-3000:]  # torchrun's summary: each rank 75
+    assert (tmp_path / "status").read_text() == "75\n"  # LOOPLIB_EXIT_FILE: a job script reads it
     assert err.count("Traceback (most recent call last)") <= 1 and "looplib" not in err.split("ChildFailedError")[0]
     result = json.loads((tmp_path / "t" / "tune.json").read_text())
     assert result["interrupted"] and result["stopped_by"] == "SIGTERM" and result["stopped_on_rank"] == 1

@@ -306,6 +306,7 @@ class StudySearch:
               f"kept in {self.storage} (failed: {', '.join(str(self.sweep_dir / str(n)) for n in failed[:3])}"
               f"{', ...' if len(failed) > 3 else ''}): fix what they report, or raise "
               f"hydra.sweeper.max_failure_rate (1.0 never stops)", file=sys.stderr, flush=True)
+        rundir.write_exit_status(1)  # the sweep's status, not its last job's
         sys.exit(1)
 
     def tell(self, study: optuna.study.Study, trial: optuna.trial.Trial, ret) -> None:

@@ -4,7 +4,6 @@ the job composed and checked, the planner that composes each candidate. The sear
 (cache, signals, the ranks, tune.json) is ``looplib.tune.driver``'s."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -146,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
+    from ..run.rundir import write_exit_status
     try:
-        return run(argv)
+        status = run(argv)
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"looplib: error: {err}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
+        # every rank that refuses says so (under torchrun the ranks refuse alike, and the launcher may stop
+        # rank 0 as soon as another rank exits: a line said by rank 0 alone could be lost)
+        print(f"looplib: error: {err}", file=sys.stderr, flush=True)
+        status = EXIT_CONFIG
+    write_exit_status(status)  # LOOPLIB_EXIT_FILE (rank 0): 2 for a refusal, 75 or 130 after a signal
+    return status
 
 
 def __getattr__(name: str):

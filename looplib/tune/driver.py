@@ -236,7 +236,8 @@ def outcome(job: list[str], tune: Tune, search: Search, device, device_name: str
     best = search.best()
     best_row = search.row(best) if best else None
     ref = search.timing_reference()
-    return {"device": device_name, "world": size, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "job": job,
+    return {"device": device_name, "world": size, "train_with": relaunch("looplib.train"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "job": job,
             "tune": vars(tune), "memory": memory, "dimensions": search.space.options,
             "objective": job_plan.describe(), "job_plan": vars(job_plan),
             "peak_mem_measures": ("GPU memory allocated by torch tensors (peak)" if device.type == "cuda" else

@@ -116,7 +116,7 @@ def markdown(result: dict) -> str:
     base_mem = ref.get("peak_mem_mb")
     load = result.get("load") or {}
     lines = [f"# looplib.tune: {result['device']}", "",
-             f"The job: `{command(result['job'], [])}`", "",
+             f"The job: `{command(result['job'], [], result.get('train_with', 'python -m looplib.train'))}`", "",
              f"**Objective**: the seconds to finish this job ({result.get('objective', '?')}), predicted for each "
              "candidate from its own runs: startup + compile and warm-up + steps x step time + evaluations + "
              "checkpoint saves + the sample + the rest (export, exit). "
