@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_CONFIG, ConfigError
+from ..errors import EXIT_CONFIG, ConfigError, Interrupted
 from ..schema import check_options, refuse_unknown
 from ..tune import driver
 from ..tune.driver import Job
@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         # rank 0 as soon as another rank exits: a line said by rank 0 alone could be lost)
         print(f"looplib: error: {err}", file=sys.stderr, flush=True)
         status = EXIT_CONFIG
+    except Interrupted as stop:  # a signal before the search began (composing, planning): nothing measured
+        print(f"looplib: stopped ({stop}) before tune started measuring; nothing was written", file=sys.stderr,
+              flush=True)
+        status = stop.status
     write_exit_status(status)  # LOOPLIB_EXIT_FILE (rank 0): 2 for a refusal, 75 or 130 after a signal
     return status
 
