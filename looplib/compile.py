@@ -40,6 +40,9 @@ class Compile:
     def check(self, corpus) -> None:
         """Refuse data this compile mode cannot run (build time, before the model exists)."""
 
+    def check_optimizer(self, optim, device) -> None:
+        """Refuse an optimizer this strategy cannot compile (build time: the factory, not the optimizer)."""
+
     def wrap_loss(self, objective):
         return objective
 
@@ -120,6 +123,14 @@ class TorchCompile(Compile):
 
     def wrap_loss(self, objective):
         return CompiledLoss(objective, self.options()) if self.loss else objective
+
+    def check_optimizer(self, optim, device):
+        impl = getattr(optim, "impl", None)
+        if self.optimizer and (impl == "fused" or (impl == "auto" and torch.device(device).type == "cuda")):
+            raise ConfigError("compile.optimizer", f"optim.impl={impl} steps {type(optim).__name__} with fused kernels "
+                              f"{'on this device ' if impl == 'auto' else ''}already, which torch.compile leaves as "
+                              "they are", "use optim.impl=foreach (inductor then fuses the step's kernels itself), "
+                              "or compile.optimizer=false")
 
     def wrap_optimizer(self, optimizer):
         if not self.optimizer:

@@ -100,6 +100,10 @@ def test_compiled_optimizer_step_refuses_fused_kernels_and_foreign_optimizers():
     assert err.value.key == "compile.optimizer"
     with pytest.raises(ConfigError, match="steps its own optimizer"):
         strategy.wrap_optimizer(object())
+    with pytest.raises(ConfigError, match="optim.impl=auto steps AdamW with fused kernels on this device"):
+        strategy.check_optimizer(AdamW(), "cuda")  # at build time, before any model exists
+    strategy.check_optimizer(AdamW(), "cpu")  # auto is foreach on a CPU
+    strategy.check_optimizer(AdamW(impl="foreach"), "cuda")
     plain = AdamW(impl="fused").build(tiny_gpt())
     assert TorchCompile(backend="aot_eager").wrap_optimizer(plain) is plain and "step" not in vars(plain)
 
@@ -136,6 +140,27 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth_and_trains_l
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
     for got, want in zip(grads, [p.grad for p in model.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_keys_through_the_command_line(tmp_path, token_cache):
+    """compile.regional and compile.optimizer as typed: it trains (no step skipped, the compile
+    cost in every row); the fused optimizer is refused at build time, in one line, nothing written."""
+    import json
+    from conftest import run_cli
+    args = ["data=random", "model.n_layer=3", "model.d_model=32", "model.seq_len=16", "batch_size=4", "max_steps=3",
+            "log_every=1", "eval_every=0", "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false",
+            "+optim=adamw", "+compile=default", "compile.backend=aot_eager", "compile.regional=true",
+            "compile.optimizer=true"]
+    r = run_cli(*args, "optim.impl=foreach", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                env={"LOOPLIB_CACHE": token_cache})
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if "loss" in row]
+    assert [row["skipped_steps"] for row in train] == [0, 0, 0] and train[-1]["compiles"] >= 2
+    r = run_cli(*args, "optim.impl=fused", f"hydra.run.dir={tmp_path / 'fused'}", cwd=tmp_path,
+                env={"LOOPLIB_CACHE": token_cache})
+    assert r.returncode == 2 and r.stderr.strip().startswith("looplib: error: compile.optimizer: optim.impl=fused")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "fused").exists()
 
 
 def test_regional_compilation_refusals():

@@ -307,3 +307,34 @@ def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
     assert sum(nbytes(v) for s in opt.state.values() for v in s.values()) == state_rule(factory, model)
     big, small = opt.state[model.blocks[0].mlp[0].weight], opt.state[model.blocks[0].ln1.weight]
     assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
+
+
+@gpu
+def test_gpu_cuda_graphs_over_forward_backward_and_the_compiled_optimizer_step_train_like_eager():
+    """+compile=reduce_overhead compile.optimizer=true: the compiled forward, backward and AdamW
+    step replay as CUDA graphs (the step's learning rate a device tensor: the schedule changes it
+    in place); the losses follow the eager run's (fp32)."""
+    from looplib import AdamW, Accumulation, fit
+    from looplib.telemetry import Telemetry
+    from conftest import random_tokens
+
+    def run(strategy):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).cuda()
+        optimizer = AdamW(lr=1e-3, impl="foreach").build(model)
+        if strategy is not None:
+            model, optimizer = strategy.wrap(model), strategy.wrap_optimizer(optimizer)
+        rows = []
+        telemetry = Telemetry(enabled=False, log_every=1, total_steps=6, device="cuda")
+        telemetry.write = rows.append
+        data = torch.utils.data.DataLoader(random_tokens(n=48), batch_size=4)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+        fit(model, data, objective=TokenCrossEntropy(), optimizer=optimizer, accumulation=Accumulation(2),
+            max_steps=6, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
+        return [r["loss"] for r in rows], [r["skipped_steps"] for r in rows]
+
+    torch._dynamo.reset()
+    eager, _ = run(None)
+    graphs, skipped = run(TorchCompile(mode="reduce-overhead", optimizer=True))
+    assert skipped == [0] * 6
+    assert graphs == pytest.approx(eager, rel=1e-4)
