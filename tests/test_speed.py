@@ -338,3 +338,57 @@ def test_gpu_cuda_graphs_over_forward_backward_and_the_compiled_optimizer_step_t
     graphs, skipped = run(TorchCompile(mode="reduce-overhead", optimizer=True))
     assert skipped == [0] * 6
     assert graphs == pytest.approx(eager, rel=1e-4)
+
+
+def meta_linears(*shapes):
+    """Linear layers of the given (in, out) widths on the meta device (no memory), named l0, l1, ..."""
+    return torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(k, n, device="meta") for i, (k, n) in enumerate(shapes)})
+
+
+def test_fp8_leaves_layers_too_small_to_gain_in_bf16_by_recipe():
+    """precision.filter=size (the default): a linear layer goes to fp8 only where its matmul is large
+    enough to pay for the casts (looplib.precision.big_enough: torchao's H100 thresholds per recipe);
+    filter=none converts every layer whose widths are multiples of 16."""
+    pytest.importorskip("torchao")
+    converted = lambda m: sorted(n for n, x in m.named_modules() if type(x).__name__ == "Float8Linear")  # noqa: E731
+    shapes = [(4096, 1024), (4096, 1040), (8192, 512), (1024, 4096), (2048, 4096), (2048, 8192), (4096, 4096),
+              (8200, 8200)]
+    for recipe, want in [("tensorwise", ["l1", "l2", "l3", "l4", "l5", "l6"]), ("rowwise", ["l5", "l6"])]:
+        model = meta_linears(*shapes)
+        FP8(recipe=recipe).convert(model)
+        assert converted(model) == want, recipe
+    model = meta_linears(*shapes, (32, 48))
+    FP8(filter="none").convert(model)
+    assert converted(model) == ["l0", "l1", "l2", "l3", "l4", "l5", "l6", "l8"]  # 8200 is not a multiple of 16
+
+
+def test_fp8_all_gathers_under_fsdp_only_with_the_tensorwise_recipe():
+    """precision.fsdp_all_gather: auto gathers fp8 weights under +engine=fsdp with tensorwise scales
+    (torchao's weight wrapper that casts before the all-gather), bf16 otherwise; true is refused
+    with a rowwise recipe and without FSDP, in one line naming the key."""
+    pytest.importorskip("torchao")
+    from looplib.engines.fsdp import FSDP
+    with pytest.raises(ConfigError, match="fp8 all-gathers need the tensorwise recipe.*not rowwise") as err:
+        FP8(recipe="rowwise", fsdp_all_gather=True)
+    assert err.value.key == "precision.fsdp_all_gather"
+    with pytest.raises(ConfigError, match="this run has no \\+engine=fsdp") as err:
+        FP8(fsdp_all_gather=True).setup(torch.device("cpu"))  # before the device is even asked
+    assert err.value.key == "precision.fsdp_all_gather"
+    for bad, key in [({"recipe": "blockwise"}, "precision.recipe"), ({"filter": "tiny"}, "precision.filter"),
+                     ({"fsdp_all_gather": "yes"}, "precision.fsdp_all_gather")]:
+        with pytest.raises(ConfigError) as err:
+            FP8(**bad)
+        assert err.value.key == key
+    cases = {("tensorwise", "auto"): True, ("rowwise", "auto"): False, ("tensorwise", False): False}
+    for (recipe, gather), want in cases.items():
+        precision = FP8(recipe=recipe, fsdp_all_gather=gather)
+        assert precision.all_gather() is False  # not sharded: never
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match="fp8 needs a CUDA GPU"):
+                FSDP(device="cpu").precision_for(precision)  # marks it sharded, then refuses the CPU
+        else:
+            precision.sharded = True
+        assert precision.sharded and precision.all_gather() is want
+        model = meta_linears((8192, 8192))
+        precision.convert(model)
+        assert (type(model["l0"].weight).__name__ == "WeightWithDynamicFloat8CastTensor") is want
