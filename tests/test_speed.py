@@ -15,7 +15,7 @@ from looplib.models import GPT
 from looplib.loss import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
 from looplib.precision import FP8, Precision
 
-from conftest import gpu, run_cli, tiny_gpt
+from conftest import gpu, random_tokens, run_cli, tiny_gpt
 
 
 def batch_with_ignored(vocab=64, n=3, seq_len=16, seed=1):
@@ -392,3 +392,84 @@ def test_fp8_all_gathers_under_fsdp_only_with_the_tensorwise_recipe():
         model = meta_linears((8192, 8192))
         precision.convert(model)
         assert (type(model["l0"].weight).__name__ == "WeightWithDynamicFloat8CastTensor") is want
+
+
+# ---- no host-device synchronisation on a step that does not log
+
+
+HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch):
+    """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"), on the whole hot path that
+    train_model runs (assembly, telemetry, the checkpoint policy's bad-step rule, the fused
+    optimizer's on-device skip): every way a tensor's value reaches the host (.item(), float(),
+    int(), bool(), .tolist(), .numpy(), indexing with a tensor) is counted, but for the objective's
+    item count (``count(batch)``), which reads the host batch by design before it moves to the
+    device. Runs of 4 and 12 steps that log at the same two steps (the first and the last) read
+    exactly as often: a read on any step that does not log would add 8."""
+    import sys as _sys
+    from looplib import AdamW, train_model
+    from looplib.accumulation import Accumulation as Windows
+    counts = {}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            frame = _sys._getframe(1)
+            while frame is not None and frame.f_code is not Windows.close.__code__:
+                frame = frame.f_back
+            if frame is None:  # not inside the window's count of its host batches
+                counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    seen = []
+    for steps in (4, 12):
+        counts.clear()
+        train_model(tiny_gpt(), random_tokens(n=256), max_steps=steps, batch_size=4, accum_steps=2, device="cpu",
+                    optim=AdamW(impl="fused"), log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
+                    checkpoint_every=1000, export=None, progress="lines")
+        seen.append(dict(counts))
+    monkeypatch.undo()
+    assert seen[0] == seen[1], seen
+
+
+@gpu
+def test_gpu_steps_that_do_not_log_never_synchronise():
+    """torch.cuda.set_sync_debug_mode("error") around every step that does not log (bf16, the
+    default fused AdamW with its on-device inf/NaN skip, clipping, accumulation, pinned batches
+    moved without blocking): any host-device synchronisation in them raises. The logging steps
+    (their .item()) run with the mode off; two warm-up steps first (lazy initialisation)."""
+    from looplib import AdamW, Accumulation, fit
+    from looplib.data import build_loader
+    from looplib.loop import TrainState
+    from looplib.precision import BF16
+    from looplib.telemetry import Telemetry
+
+    class Strict(Telemetry):
+        def _log(self, *args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                super()._log(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).to(device)
+    optimizer = AdamW(lr=1e-3).build(model)  # auto: fused on CUDA
+    precision = BF16()
+    precision.setup(device)
+    loader = build_loader(random_tokens(n=256), batch_size=4, seed=0, device=device)  # pinned
+    state, logged = TrainState(), []
+    kw = dict(objective=TokenCrossEntropy(), optimizer=optimizer, precision=precision, accumulation=Accumulation(2),
+              engine=Engine(device), max_grad_norm=1.0, state=state)
+    fit(model, loader, max_steps=2, **kw)  # warm-up: allocations, cuBLAS handles
+    telemetry = Strict(enabled=False, log_every=5, total_steps=12, device=device)
+    telemetry.write = logged.append
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fit(model, loader, max_steps=12, telemetry=telemetry, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert state.step == 12 and [row["step"] for row in logged] == [5, 10, 12]
