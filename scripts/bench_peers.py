@@ -63,7 +63,7 @@ UNSLOTH = {"bf16": True, "optim": "adamw_torch_fused"}  # unsloth's own gradient
 TINY_TRAINER = {"optim": "adamw_torch"}  # fp32, eager: what looplib_same runs too (+optim=adamw optim.impl=for-loop)
 TINY_SHAPE = {"pretrain": "a 2-layer Llama, 64 wide, vocabulary 512", "gpt2": "a 2-layer GPT-2, 64 wide, vocabulary 512",
               "qlora": "a 2-layer Llama base, 64 wide, vocabulary 512"}
-ROW_LIMIT_S = {"pretrain": 170, "gpt2": 110, "qlora": 170}  # per row on a GPU (--row-limit overrides)
+ROW_LIMIT_S = {"pretrain": 90, "gpt2": 60, "qlora": 80}  # per row on a GPU (--row-limit overrides)
 
 
 def settings_of(framework: str, workload: str, spec: dict, tiny: bool) -> tuple[list[str] | dict, str]:
@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-limit", type=float, default=None, help="seconds per row (default: per workload on a "
                         "GPU, 600 with --tiny)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per row (default 1 with --tiny)")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run: a row gets at most "
+                        "what is left; one that cannot start with 20 s left is written as not run (so the table "
+                        "says which rows a time limit left out)")
     args = parser.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda")
     names = [w for w in args.workloads.split(",") if w]
@@ -306,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(device=name, tiny=args.tiny, date=time.strftime("%Y-%m-%d"), command=" ".join([Path(sys.argv[0]).name,
                 *(argv if argv is not None else sys.argv[1:])]))
     data.setdefault("rows", [])
+    t_start = time.perf_counter()
     for workload in names:
         spec = dict(job(workload, args.tiny), device=device)
         frameworks = (args.frameworks.split(",") if args.frameworks else
@@ -318,7 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{workload}: data and initial weights in {work} ({time.perf_counter() - t0:.0f} s)", flush=True)
         limit = args.row_limit or (600 if args.tiny else ROW_LIMIT_S[workload])
         for framework in frameworks:
-            row = run_row(workload, framework, spec, work, limit)
+            left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else None
+            if left is not None and left < 20:
+                row = {"workload": workload, "framework": framework, "tokens_per_s": None, "peak_mem_mb": None,
+                       "loss": None, "settings": settings_of(framework, workload, dict(spec, framework=framework),
+                                                             args.tiny)[1],
+                       "status": "not run", "reason": f"this run's time budget (--budget-s {args.budget_s:.0f}) was "
+                       "spent before its turn"}
+            else:
+                row = run_row(workload, framework, spec, work, limit if left is None else min(limit, left))
             title = WORKLOADS[workload]["title"] + (f" (--tiny: {TINY_SHAPE[workload]}, sequence {spec['seq_len']}, "
                                                     "on the CPU)" if args.tiny else "")
             row.update(title=title, tiny=args.tiny, global_batch=spec["global_batch"],

@@ -100,3 +100,67 @@ def test_every_gpu_command_line_of_looplib_composes(workload, tmp_path):
             assert cfg.peft.r == 16 and list(cfg.peft.target_modules) == spec["lora"]["target_modules"]
         if workload == "gpt2" and framework == "looplib":
             assert cfg.model._target_ == "looplib.models.GPT" and cfg.model.d_model == 768 and cfg.model.n_layer == 12
+
+
+def test_gpu_figures_speed_and_peers_fit_nine_minutes_and_name_real_rows(tmp_path):
+    """`bash scripts/gpu_figures.sh OUT speed peers` as a dry run (DRY=1: each part's limit and
+    command, nothing run): the limits add up to under 9 minutes, and every row, workload and flag
+    a part names exists in its script, so the GPU's minutes are not lost to a typo."""
+    import re
+    import shlex
+
+    import bench_guides
+    import bench_mfu
+    from spec import WORKLOADS
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_figures.sh"), str(tmp_path / "out"), "speed", "peers"],
+                       capture_output=True, text=True, env={"DRY": "1", "PATH": "/usr/bin:/bin"}, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    parts = re.findall(r"^part (\S+) (\d+)s: (.*)$", r.stdout, re.M)
+    assert [p[0] for p in parts] == ["speed_ladder", "speed_bert", "peers_gpt2", "peers_pretrain", "peers_qlora"]
+    total = sum(int(p[1]) for p in parts)
+    assert total < 540 and f"limits of the parts run: {total}s in all" in r.stdout
+    for name, limit, command in parts:
+        args = shlex.split(command)
+        script = REPO / args[1]
+        flags = set(re.findall(r'add_argument\("(--[a-z-]+)"', script.read_text()))
+        assert {a for a in args[2:] if a.startswith("--")} <= flags, (name, flags)
+        value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+        if script.name == "bench_mfu.py":
+            assert set(value("--rows").split(",")) <= set(bench_mfu.GPU_ROWS) and "--best" in args
+            assert float(value("--budget-s")) < int(limit)
+        elif script.name == "bench_guides.py":
+            assert set(value("--rows").split(",")) <= set(bench_guides.ROWS)
+        else:
+            assert script.name == "bench_peers.py" and value("--workloads") in WORKLOADS
+            assert float(value("--budget-s")) < int(limit) and value("--out").endswith("/out/peers")
+
+
+def test_the_ladders_best_combination_of_every_option_composes_and_builds():
+    """--best combines every option that beat the compiled row; with all of them (the fastest loss,
+    the compiled optimizer step, CUDA graphs, micro-batch 16, the faster fp8 recipe) the command
+    line still composes and each strategy builds (GPU-only ones may be refused for want of a GPU)."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    import bench_mfu
+    from looplib.cli.instantiate import check_settings, fill_strategy_defaults, instantiate
+    from looplib.errors import ConfigError
+    rows = ["compile", "compile_loss", "liger", "compile_optimizer", "reduce_overhead", "batch16", "fp8", "fp8_rowwise"]
+    speed = {"compile": 100, "compile_loss": 102, "liger": 104, "compile_optimizer": 103, "reduce_overhead": 110,
+             "batch16": 105, "fp8": 111, "fp8_rowwise": 112}
+    overrides, taken = bench_mfu.best_row([{"row": r, "status": "ok", "tokens_per_s": speed[r]} for r in rows])
+    assert taken == ["liger", "compile_optimizer", "reduce_overhead", "batch16", "fp8_rowwise"]
+    assert len({o.partition("=")[0].lstrip("+") for o in overrides}) == len(overrides)  # one value per key
+    assert bench_mfu.best_row([{"row": "compile", "status": "ok", "tokens_per_s": 100},
+                               {"row": "liger", "status": "ok", "tokens_per_s": 100.5}])[1] == []  # within 1%
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*bench_mfu.GPU_JOB, *overrides, "device=cpu"])
+    check_settings(cfg)
+    fill_strategy_defaults(cfg)
+    assert cfg.compile.mode == "reduce-overhead" and cfg.compile.optimizer and cfg.optim.impl == "foreach"
+    assert cfg.precision.recipe == "rowwise" and cfg.batch_size == 16 and cfg.loss._target_.endswith("Liger" "TokenCrossEntropy")
+    for group in ("precision", "optim", "compile", "loss"):
+        try:
+            instantiate(cfg, group)
+        except ConfigError as err:
+            assert not torch.cuda.is_available() and ("CUDA" in str(err) or "GPU" in str(err)), (group, err)

@@ -37,7 +37,7 @@ WORKLOADS = {
     "gpt2": dict(
         title="GPT-2 small (124M), sequence 1024, bf16",
         model=GPT2_SMALL, tiny_model=GPT2_TINY, data="lm", seq_len=1024, tiny_seq_len=64,
-        micro_batch=16, accum=2, steps=16, warmup=6, tiny_steps=5, tiny_warmup=2, lr=6e-4,
+        micro_batch=8, accum=4, steps=12, warmup=5, tiny_steps=5, tiny_warmup=2, lr=6e-4,
         frameworks=["looplib", "hf_trainer"], record=("llm.c (per H100, its published rate)", LLMC_TOKENS_PER_S)),
     "qlora": dict(
         title="QLoRA: Llama-3.2-3B-shaped base (random weights, written once), NF4, LoRA r=16 on every linear "
