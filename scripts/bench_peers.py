@@ -49,6 +49,9 @@ LOOPLIB = {
              "loss=lm_liger"],
     "qlora": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "+checkpointing=blocks", "loss=lm_liger"],
 }
+# a GPU machine here reaches no network: every library is told so, and fails fast instead of waiting on one
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
 # what the CPU runs instead of a GPU-only setting (--tiny): named in the row's settings
 CPU_SUBSTITUTES = {"loss=lm_liger": "loss=lm_chunked", "+compile=default": "+compile=default compile.backend=aot_eager"}
 # The HF Trainer's settings (TrainingArguments): sdpa attention (the model's), torch_compile, bf16, fused
@@ -130,8 +133,8 @@ def run_looplib(workload, spec, overrides, work: Path, limit: float) -> dict:
     run_dir = work / "runs" / f"{workload}-{spec['framework']}"
     shutil.rmtree(run_dir, ignore_errors=True)
     args = looplib_command(workload, spec, overrides, run_dir, work / f"{workload}-model", work / f"{workload}-data")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PEERS), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0"}
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(PEERS), os.environ.get("PYTHONPATH", "")]),
+           "LOOPLIB_PLOT": "0"}
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=limit)
     command = " ".join(args[1:])
     if done.returncode != 0:
@@ -161,7 +164,7 @@ def run_runner(script: str, spec: dict, work: Path, limit: float) -> dict:
     path = work / "specs" / f"{spec['workload']}-{spec['framework']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **OFFLINE}
     done = subprocess.run([sys.executable, str(PEERS / script), str(path)], capture_output=True, text=True, env=env,
                           timeout=limit)
     lines = done.stdout.strip().splitlines()
@@ -206,7 +209,9 @@ def run_row(workload: str, framework: str, spec: dict, work: Path, limit: float)
             result = run_runner("hf_trainer.py", dict(spec, trainer=settings), work, limit)
     except subprocess.TimeoutExpired:
         result = {"status": "timed out", "reason": f"no result within its limit of {limit:.0f} s"}
-    return {**row, **result, "wall_s": round(time.perf_counter() - t0, 1)}
+    if result.get("notes"):  # what a runner had to change (a setting this machine cannot run)
+        row["settings"] += " (" + "; ".join(result["notes"]) + ")"
+    return {**row, **result, "settings": row["settings"], "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def ratios(rows: list[dict]) -> dict:

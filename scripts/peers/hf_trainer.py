@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,6 +69,10 @@ def main(spec_path: str) -> int:
     from token_rows import TokenRows
 
     device = device_for(spec)
+    notes = []
+    if spec["trainer"].get("use_liger_kernel") and (device.type != "cuda" or find_spec("liger_kernel") is None):
+        spec["trainer"].pop("use_liger_kernel")  # the Trainer would refuse to start
+        notes.append("use_liger_kernel off: liger-kernel " + ("needs CUDA" if device.type != "cuda" else "not installed"))
     torch.manual_seed(spec["seed"])
     data = TokenRows(spec["data_dir"])
     order = permutation(len(data), spec["seed"])
@@ -90,7 +95,7 @@ def main(spec_path: str) -> int:
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            pending.append((out[0] if return_outputs else out).detach().float())
+            pending.append((out[0] if return_outputs else out).detach().float().clone())
             return out
 
     def collate(rows):
@@ -115,6 +120,7 @@ def main(spec_path: str) -> int:
                      versions=versions("transformers", "accelerate", "peft", "bitsandbytes", "liger-kernel",
                                        "unsloth", "unsloth_zoo", "torch"))
     result["optim"] = str(getattr(trainer.args.optim, "value", trainer.args.optim))
+    result["notes"] = notes
     emit(result)
     return 0
 

@@ -140,7 +140,7 @@ def main(spec_path: str, check: bool = False) -> int:
 
     def counted_forward_backward(**kw):
         loss = forward_backward(**kw)
-        pending.append(loss.detach().float())  # each micro-batch's share of the window's mean loss
+        pending.append(loss.detach().float().clone())  # a copy: a CUDA graph replays into the same tensor
         return loss
 
     def timed_step(data_iterator):
