@@ -78,7 +78,8 @@ def settings_of(framework: str, workload: str, spec: dict, tiny: bool) -> tuple[
             overrides = " ".join(CPU_SUBSTITUTES.get(o, o) for o in overrides).split()
             if spec["lora"] is None:
                 overrides = [o for o in overrides if o != "+precision=bf16"]  # fp32 on a CPU (bf16 is emulated)
-        words = " ".join(overrides) + (" (on the CPU: Liger -> lm_chunked, inductor -> aot_eager)" if tiny else "")
+        words = " ".join(overrides) + (" (on the CPU: Liger -> lm_chunked, inductor -> aot_eager" +
+                                        (", bf16 -> fp32)" if spec["lora"] is None else ")") if tiny else "")
         return overrides, words
     if framework == "looplib_same":
         overrides = ["+optim=adamw", "optim.impl=for-loop"] if tiny else ["+precision=bf16", "+optim=adamw",
