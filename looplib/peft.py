@@ -250,7 +250,8 @@ def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     mixed precision each is cast to it for every forward anyway, so the same numbers in half the bytes."""
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point() and p.dtype == torch.float32 and not type(p).__name__.startswith("Params4bit"):
+            packed = type(p).__name__ == "Params4bit" or hasattr(p, "fourbit")  # real, or planned on meta
+            if p.is_floating_point() and p.dtype == torch.float32 and not packed:
                 p.data = p.data.to(dtype)
 
 
