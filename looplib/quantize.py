@@ -66,7 +66,7 @@ def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute
     modules = dict(model.named_modules())
     for name, linear in layers:
         parent, _, attr = name.rpartition(".")
-        layer = PlannedLinear4bit(linear, bnb, quant_type, double_quant, compute_dtype, device, storage) if meta \
+        layer = PlannedLinear4bit(linear, bnb, quant_type, double_quant, compute_dtype, device) if meta \
             else real_4bit(linear, bnb, quant_type, double_quant, compute_dtype, device, storage, place or device)
         setattr(modules[parent] if parent else model, attr, layer)
     for m in model.modules():
@@ -156,10 +156,10 @@ class PlannedLinear4bit(nn.Linear):
     """A ``Linear4bit`` as the planner sees it on the meta device: the weight keeps its shape
     (``fourbit`` on it says how it would be stored) and forward saves no activation."""
 
-    def __init__(self, linear: nn.Linear, bnb, quant_type, double_quant, compute_dtype, device, storage=torch.uint8):
+    def __init__(self, linear: nn.Linear, bnb, quant_type, double_quant, compute_dtype, device):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
-        self.weight.fourbit, self.weight.storage = double_quant, storage
+        self.weight.fourbit = double_quant
         self.bias = frozen_bias(linear, compute_dtype)
         self.compute_dtype = compute_dtype
 

@@ -29,8 +29,10 @@ def model(model_dir) -> list[str]:
 
 
 def job(model_dir) -> list[str]:
-    return [*model(model_dir), "max_steps=4", "accum_steps=2", "log_every=1", "eval_every=0", "eval_samples=0",
-            "sample_tokens=0", "lr=3e-2", "checkpoint.every_steps=2"]
+    """Four steps of two micro-batches, a checkpoint every two; blocks recomputed in backward (under FSDP
+    inside the gathered block, where bitsandbytes puts the constants back on the gathered weight again)."""
+    return [*model(model_dir), "+checkpointing=blocks", "max_steps=4", "accum_steps=2", "log_every=1", "eval_every=0",
+            "eval_samples=0", "sample_tokens=0", "lr=3e-2", "checkpoint.every_steps=2"]
 
 
 def losses(run_dir) -> dict[int, float]:
