@@ -53,6 +53,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     with refused("schedule", job.record):
         scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, max_grad_norm = engine.prepare(job.model, optimizer, s)
+    optimizer = job.compile.wrap_optimizer(optimizer)  # compile.optimizer=true: its step compiled (the same object)
     saving = run_dir is not None and s.checkpoint.enabled  # checkpoint.enabled=false: none at all
     checkpoints = Checkpoints(run_dir / "checkpoints" if saving else None, s.checkpoint.every_steps, s.checkpoint.keep,
                               s.max_bad_steps, job.record.config if run_dir else None, engine.is_main, engine,
