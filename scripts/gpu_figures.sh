@@ -41,6 +41,10 @@
 #   memory_activations  GPT-2 small, bf16, batch 8: none, blocks, selective, offload (side-stream copies and
 #                  synchronous ones): memory and speed, each beside the planner's figures
 #   memory_tests   the GPU tests of issue 29 (offload on CUDA trains as none does, QLoRA quantises on the device)
+# and issue 36's (the bigger model, sharded; not in the default list, name it):
+#   memory_qlora_fsdp  the memory_qlora job as it is and under +engine=fsdp as one process of torchrun (the 4-bit
+#                  base in FSDP2's float shards), side by side. target: the FSDP2 row's peak within 5% of the
+#                  plain row's and of its own per-rank plan (bench_fit.py; the table's last line is the ratio)
 # AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
@@ -147,10 +151,13 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
     memory_qlora) part memory_qlora 560 $py scripts/bench_fit.py --rows qlora8b --steps 6 --out "$results/memory_qlora" ;;
     memory_activations) part memory_activations 400 $py scripts/bench_fit.py \
         --rows none,blocks,selective,offload,offload_sync --steps 20 --out "$results/memory_activations" ;;
+    memory_qlora_fsdp) part memory_qlora_fsdp 420 $py scripts/bench_fit.py --rows qlora8b,qlora8b_fsdp --steps 6 \
+        --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
     *) echo "unknown part $p (choose from: $all speed peers speed_mfu speed_mfu2 speed_loss speed_guides \
-speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests)"; exit 2 ;;
+speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
+memory_qlora_fsdp)"; exit 2 ;;
     esac
 done
 echo "=== limits of the parts run: ${planned}s in all"

@@ -80,6 +80,7 @@ class FSDP(Distributed):
     """
 
     keeps_modules = False  # parameters become DTensor shards
+    shards_4bit = True     # a 4-bit base (+peft=qlora) too: its packed weights in a float dtype (looplib.peft.QLoRA)
 
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
     checkpoint_format = "dcp"
