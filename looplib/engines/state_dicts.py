@@ -19,22 +19,36 @@ from torch import nn
 
 
 def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
-    """Model and optimizer into ``path`` with DCP (every rank calls it; each writes its shards)."""
+    """Model and optimizer into ``path`` with DCP (every rank calls it; each writes its shards); a
+    4-bit base's quantisation constants beside them (whole, written once)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from ..quantize import quant_constants
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    state = {"model": model_sd, "optimizer": optim_sd}
+    constants = quant_constants(model)
+    if constants:
+        state["quant_constants"] = constants
+    dcp.save(state, checkpoint_id=str(path))
 
 
 def load_sharded(model: nn.Module, optimizer, path: Path) -> None:
     """What ``save_sharded`` wrote, into ``model`` and ``optimizer`` as they are sharded now (FSDP2
-    on any number of processes) or whole (the local engine, DDP): DCP reads what each needs."""
+    on any number of processes) or whole (the local engine, DDP): DCP reads what each needs. A
+    4-bit base takes its quantisation constants from the checkpoint too, as its packed bytes: the
+    two always belong together, whatever base the run was built from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from ..quantize import quant_constants, restore_constants
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optimizer": optim_sd}
+    constants = quant_constants(model)
+    if constants:
+        loaded["quant_constants"] = constants
     dcp.load(loaded, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    if constants:
+        restore_constants(model, loaded["quant_constants"])
 
 
 def load_full(model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
