@@ -95,6 +95,7 @@ def refuse(line: str) -> None:
     if board.post_refusal(line):
         print(line, file=sys.stderr, flush=True)
     rundir.write_exit_status(EXIT_CONFIG, every_rank=True)
+    board.heard()  # the other ranks know why before the launcher stops them
     sys.exit(EXIT_CONFIG)
 
 

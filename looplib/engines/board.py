@@ -84,6 +84,19 @@ def store():
     return None
 
 
+_KNOWS: list[str | None] = [None]  # the key under which this process counted itself as knowing of a refusal
+
+
+def knows(s) -> None:
+    """This rank refused, or has read another's refusal: counted once (``heard`` waits for all)."""
+    if _KNOWS[0] != key("knows"):
+        _KNOWS[0] = key("knows")
+        try:
+            s.add(_KNOWS[0], 1)
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def post_refusal(line: str) -> bool:
     """This rank refuses the job with ``line`` (the first refusal of the launch is the one the others
     name). True when this rank says the line: no rank has said that exact line yet."""
@@ -93,7 +106,26 @@ def post_refusal(line: str) -> bool:
             s.compare_set(key("refused"), "", f"{rank()}\n{line}")  # the first one stays
         except Exception:  # noqa: BLE001 - the board is gone (the launcher is stopping)
             pass
+        knows(s)
     return says(line)
+
+
+def heard(timeout_s: float = 60.0) -> None:
+    """A refusing rank, its line said, waits before it exits until every rank of the launch knows
+    of the refusal (refused itself, or read it here), at most ``timeout_s``: torchrun stops the
+    others the moment one exits, and a rank still importing or composing its config when the
+    launcher's SIGTERM comes dies without a word."""
+    s = store()
+    if s is None or _KNOWS[0] is None:  # (this rank neither refused nor read a refusal)
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if s.add(_KNOWS[0], 0) >= world():
+                return
+        except Exception:  # noqa: BLE001 - the board is gone: nobody left to wait for
+            return
+        time.sleep(0.05)
 
 
 def says(line: str) -> bool:
@@ -120,6 +152,7 @@ def refusal() -> PeerRefused | None:
         return None
     if int(who) == rank():
         return None
+    knows(s)
     return PeerRefused(int(who), line)
 
 

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from ..checkpointing import Checkpointing
 from ..compile import Compile
 from ..data import Corpus
-from ..engines import Engine
+from ..engines import Engine, board
 from ..errors import ConfigError
 from ..evaluation import Evaluation
 from ..groups import Group, groups
@@ -152,6 +152,9 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
     try:
         return execute(make, None if run_dir is None else Path(run_dir), signals,
                        metrics=None if metrics is None else Path(metrics), export=export is not None)
+    except ConfigError:
+        board.heard()  # under torchrun: every rank knows of the refusal before this one's caller exits
+        raise
     finally:
         signals.__exit__()
 
