@@ -26,6 +26,23 @@ def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
 
 
+def stage_sharded(model: nn.Module, optimizer, stage) -> dict:
+    """This rank's shards of model and optimizer, copied off the device by ``stage``
+    (``checkpoint.async``; written later by ``write_staged``)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return stage({"model": model_sd, "optimizer": optim_sd})
+
+
+def write_staged(staged: dict, path: Path, group) -> None:
+    """What ``stage_sharded`` copied, into ``path`` as ``save_sharded`` writes it. On a background
+    thread, so DCP's collectives run on ``group``, a process group of their own (the loop's
+    collectives go on meanwhile on the default one); rank 0 returns once every rank's shards and
+    DCP's metadata are on disk."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(staged, checkpoint_id=str(path), process_group=group)
+
+
 def load_sharded(model: nn.Module, optimizer, path: Path) -> None:
     """What ``save_sharded`` wrote, into ``model`` and ``optimizer`` as they are sharded now (FSDP2
     on any number of processes) or whole (the local engine, DDP): DCP reads what each needs."""

@@ -27,7 +27,6 @@ INFO lines to stderr is added). ``logger=`` takes the same trackers as ``+logger
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +49,7 @@ from ..schedule import Schedule
 from .assembly import Parts, Record, Trained
 from .lifecycle import execute
 from .rundir import check as check_run_dir
-from .settings import Settings, refuse_renamed, settings_from
+from .settings import Settings, as_config, refuse_renamed, settings_from
 from .signals import Signals
 
 log = logging.getLogger("looplib")
@@ -75,6 +74,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
                 eval_dataset: Dataset | None = None, eval_every: int = 0, eval_samples: int | None = 512,
                 max_grad_norm: float | None = 1.0, device: str = "auto", seed: int = 0,
                 run_dir: str | Path | None = None, checkpoint_every: int | None = 100, keep: int = 2,
+                checkpoint_async: bool = False,
                 resume: str | Path | None = None, export: Literal["auto", "hf"] | None = "auto",
                 metrics: str | Path | None = None, log_every: int = 10, max_bad_steps: int = 25,
                 sample_tokens: int = 0, peak_tflops: float | None = None, progress: str = "auto",
@@ -84,6 +84,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
     ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
     DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``checkpoint_every``:
     steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
+    ``checkpoint_async``: written in the background while training goes on (``checkpoint.async=true``);
     ``export``: ``auto`` writes what the CLI writes into the run directory (model.safetensors, hf/
     for a transformers model, the adapter under LoRA), ``hf`` insists on a transformers export,
     None writes no weights. ``**more``: the objects of groups added to ``looplib.groups.GROUPS``
@@ -99,7 +100,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int, 
         eval_samples=eval_samples, sample_tokens=sample_tokens, max_bad_steps=max_bad_steps,
         resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
         loader=dict(loader or {}),
-        checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))
+        checkpoint={"enabled": checkpoint_every is not None, "every_steps": checkpoint_every or 0, "keep": keep,
+                    "async": checkpoint_async}))
     if isinstance(dataset, Corpus):
         if eval_dataset is not None or collate_fn is not None:
             raise ConfigError("eval_dataset", "a Corpus brings its own held-out split and collate",
@@ -178,7 +180,7 @@ def option_class(group: str, option: str) -> str | None:
 def record(settings: Settings, parts: Parts, run_dir: str | Path | None) -> Record:
     """config.yaml of a Python run: the settings, and each part's class with its plain settings
     (a resumed run is refused if one of them changed, as on the command line)."""
-    config = asdict(settings)
+    config = as_config(settings)  # checkpoint.async under its key
     for row in groups():
         if row.stage != "trackers":
             config[row.name] = config_of(getattr(parts, row.part), plain=row.stage != "expensive")
