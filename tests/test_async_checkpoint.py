@@ -23,28 +23,31 @@ from looplib.run.saving import Checkpoints
 from looplib.run.settings import as_config, settings_from
 from looplib.train_state import TrainState
 
-from conftest import run_cli
+from conftest import gpu, run_cli
+from looplib.engines import Engine
 from test_faults import ENV, TINY, files, looplib_lines
 
 
 class Run:
     """A tiny model, optimizer and data; checkpoints of it, synchronous or not."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         torch.manual_seed(0)
-        self.model = GPT(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+        self.engine = Engine(device)
+        self.model = GPT(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32).to(device)
         self.optimizer = lo.AdamW(lr=1e-2).build(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         self.epochs = Epochs(build_loader(RandomTokens(16, 16, 64), batch_size=4, seed=0))
         self.state = TrainState()
 
     def checkpoints(self, root: Path, asynchronous: bool, keep: int = 3) -> Checkpoints:
-        ckpt = Checkpoints(root, every_steps=0, keep=keep, config={"model": {"d_model": 32}}, asynchronous=asynchronous)
+        ckpt = Checkpoints(root, every_steps=0, keep=keep, config={"model": {"d_model": 32}}, engine=self.engine,
+                           asynchronous=asynchronous)
         return ckpt.bind(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, precision=FP32(),
                          epochs=self.epochs)
 
     def train(self, steps: int) -> None:
-        fit(self.model, self.epochs, objective=TokenCrossEntropy(), optimizer=self.optimizer,
+        fit(self.model, self.epochs, objective=TokenCrossEntropy(), optimizer=self.optimizer, engine=self.engine,
             scheduler=self.scheduler, max_steps=self.state.step + steps, state=self.state)
 
 
@@ -56,11 +59,12 @@ def gate(monkeypatch):
     save_model = st.save_model
 
     class Gate:
-        held, log, open, reached = set(), [], threading.Event(), threading.Event()
+        held, log, open, reached, pinned = set(), [], threading.Event(), threading.Event(), []
 
     def gated(model, path, *args, **kwargs):
         name = Path(path).parent.name.split("-")[2]  # .tmp-step-0000000N-xxxx
         Gate.log.append(("start", name))
+        Gate.pinned.append(all(t.device.type == "cpu" and t.is_pinned() for t in model.state_dict().values()))
         if threading.current_thread() is not threading.main_thread() and name in Gate.held:
             Gate.reached.set()
             assert Gate.open.wait(60)
@@ -70,10 +74,12 @@ def gate(monkeypatch):
     return Gate
 
 
-def test_what_is_written_in_the_background_is_the_state_at_the_step_byte_for_byte(tmp_path, gate):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_what_is_written_in_the_background_is_the_state_at_the_step_byte_for_byte(tmp_path, gate, device):
     """The steps that run while a checkpoint is written update weights and Adam's moments in place:
-    the checkpoint still holds the state of its step, the same bytes a synchronous save writes."""
-    run = Run()
+    the checkpoint still holds the state of its step, the same bytes a synchronous save writes.
+    On CUDA the copy is in pinned host memory."""
+    run = Run(device)
     run.train(3)
     sync, background = run.checkpoints(tmp_path / "sync", False), run.checkpoints(tmp_path / "async", True)
     sync.save(run.state)
@@ -90,6 +96,7 @@ def test_what_is_written_in_the_background_is_the_state_at_the_step_byte_for_byt
     for name in ("model.safetensors", "state.pt", "config.yaml"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert background.write_seconds and not sync.write_seconds  # checkpoint_write_s: asynchronous only
+    assert gate.pinned == [False, device == "cuda"]  # the synchronous save's live tensors; the staged copy
 
 
 def test_one_write_at_a_time_and_the_last_complete_checkpoint_stays_while_the_next_is_written(tmp_path, gate):
