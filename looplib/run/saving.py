@@ -96,6 +96,9 @@ class Checkpoints:
             log.warning("the last %d step(s) were skipped (non-finite): no final checkpoint, the newest "
                         "good one stays", int(state.bad_streak))
         self.settle()  # the run ends with its last checkpoint complete
+        if self.stager is not None:  # the host copy is not needed any more (the export gathers next)
+            self.stager.close()
+            self.stager = None
 
     def check_streak(self, state: TrainState) -> None:
         if not self.max_bad:
@@ -178,9 +181,14 @@ class Checkpoints:
             model = unwrap(p["model"]).state_dict()
             blob.update(optimizer=p["optimizer"].state_dict(), precision=p["precision"].state_dict())
             if stage is not None:
-                model, blob = stage({"model": model, "blob": blob}).values()
+                try:
+                    model, blob = stage({"model": model, "blob": blob}).values()
+                except BaseException:  # host memory ran out for the copy: no temporary stays
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
 
         def write() -> None:
+            start = t0 if stage is None else time.perf_counter()  # asynchronous: the thread's own time
             if self.own_format and stage is not None:
                 engine_write()
             if not self.is_main:
@@ -191,7 +199,7 @@ class Checkpoints:
                 if tmp != final or not (final / "manifest.json").exists():  # never a complete one
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            took = time.perf_counter() - t0
+            took = time.perf_counter() - start
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20
             if stage is None:
                 log.info("checkpoint %s (%.1f MB, %.2f s)", final, size, took)
