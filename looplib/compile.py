@@ -5,9 +5,13 @@ methods stay as they were, so saving, LoRA, activation checkpointing (applied to
 before this) and accumulation all see the same module. Compilation happens on the first
 forward pass (seconds to minutes); a change of shape, dtype or train/eval mode recompiles.
 ``compile.loss=true`` compiles the objective's call too (the model's forward and the loss in
-one graph where dynamo can: the logits' cast and the cross-entropy fuse). The seconds spent
-compiling (forward, and backward where it is compiled lazily) are written to metrics.jsonl as
-a ``compile_s`` row at the end of the run.
+one graph where dynamo can: the logits' cast and the cross-entropy fuse). ``compile.regional=true``
+compiles each repeated block (the classes in ``compile.blocks``) once instead of the whole model:
+the blocks share one compiled graph, so the cold start stops growing with depth; the rest runs
+eagerly. ``compile.optimizer=true`` compiles the optimizer's step too (inductor fuses its
+per-parameter foreach kernels; under ``mode=reduce-overhead`` it replays as a CUDA graph, as the
+forward and backward do). The seconds spent compiling (forward, backward where it is compiled
+lazily, the optimizer step) are written to metrics.jsonl as a ``compile_s`` row at the end of the run.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from .errors import ConfigError
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MODES = get_args(Mode)
+# the repeated blocks compile.regional compiles one by one (as +checkpointing=blocks finds them)
+BLOCKS = ("Block", "GradientCheckpointingLayer", "GPT2Block", "BertLayer", "LlamaDecoderLayer", "MistralDecoderLayer",
+          "Qwen2DecoderLayer")
 
 
 class Compile:
@@ -33,8 +40,15 @@ class Compile:
     def check(self, corpus) -> None:
         """Refuse data this compile mode cannot run (build time, before the model exists)."""
 
+    def check_optimizer(self, optim, device) -> None:
+        """Refuse an optimizer this strategy cannot compile (build time: the factory, not the optimizer)."""
+
     def wrap_loss(self, objective):
         return objective
+
+    def wrap_optimizer(self, optimizer):
+        """The optimizer the loop steps (compile.optimizer=true: its step compiled); the same object."""
+        return optimizer
 
     def report(self) -> dict:
         """What compiling cost, for metrics.jsonl (nothing when nothing was compiled)."""
@@ -53,7 +67,8 @@ class TorchCompile(Compile):
     """
 
     def __init__(self, mode: Mode = "default", backend: str = "inductor", fullgraph: bool = False,
-                 dynamic: bool | None = None, loss: bool = False):
+                 dynamic: bool | None = None, loss: bool = False, optimizer: bool = False, regional: bool = False,
+                 blocks: list[str] | tuple[str, ...] = BLOCKS):
         if mode not in MODES:
             raise ConfigError("compile.mode", f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
         import torch._dynamo
@@ -65,7 +80,15 @@ class TorchCompile(Compile):
             raise ConfigError("compile.dynamic", "CUDA graphs (mode reduce-overhead) replay fixed shapes: "
                               "dynamic=true would record a graph per shape", "use compile.dynamic=null or false, "
                               "or +compile=default for inputs whose shapes vary")
+        if regional and loss:
+            raise ConfigError("compile.loss", "compile.loss=true compiles the model's forward together with the loss, "
+                              "which would compile the whole model again around its compiled blocks",
+                              "leave compile.loss=false with compile.regional=true (or compile.regional=false)")
+        if regional and not blocks:
+            raise ConfigError("compile.blocks", "compile.regional=true needs the repeated blocks' class names",
+                              "name them, e.g. compile.blocks=[Block] (looplib's GPT) or [LlamaDecoderLayer]")
         self.mode, self.backend, self.fullgraph, self.dynamic, self.loss = mode, backend, fullgraph, dynamic, loss
+        self.optimizer, self.regional, self.blocks = optimizer, regional, tuple(blocks)
         self.clock = CompileClock()
 
     def options(self) -> dict:
@@ -85,12 +108,43 @@ class TorchCompile(Compile):
                 raise ConfigError("compile.mode", f"reduce-overhead records CUDA graphs, and the model is on {device}",
                                   "use +compile=default on this device")
         self.clock.start()
-        model.compile(**self.options())
+        if not self.regional:
+            model.compile(**self.options())
+            return model
+        from .checkpointing import ActivationCheckpointing  # the same finder as +checkpointing=blocks
+        units = ActivationCheckpointing(types=self.blocks).chosen(model)
+        if not units:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError("compile.blocks", f"compile.regional=true: no submodule of {type(model).__name__} is "
+                              f"one of {list(self.blocks)}", f"choose the repeated block among: {', '.join(classes)}")
+        for _, unit in units:  # in place: names, state-dict keys and hooks stay; one graph serves every block
+            unit.compile(**self.options())
         return model
 
     def wrap_loss(self, objective):
         return CompiledLoss(objective, self.options()) if self.loss else objective
 
+    def check_optimizer(self, optim, device):
+        impl = getattr(optim, "impl", None)
+        if self.optimizer and (impl == "fused" or (impl == "auto" and torch.device(device).type == "cuda")):
+            raise ConfigError("compile.optimizer", f"optim.impl={impl} steps {type(optim).__name__} with fused kernels "
+                              f"{'on this device ' if impl == 'auto' else ''}already, which torch.compile leaves as "
+                              "they are", "use optim.impl=foreach (inductor then fuses the step's kernels itself), "
+                              "or compile.optimizer=false")
+
+    def wrap_optimizer(self, optimizer):
+        if not self.optimizer:
+            return optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError("compile.optimizer", f"the engine steps its own optimizer ({type(optimizer).__name__}), "
+                              "not a torch.optim one", "leave compile.optimizer=false with this engine")
+        if any(group.get("fused") for group in optimizer.param_groups):
+            raise ConfigError("compile.optimizer", f"{type(optimizer).__name__} runs fused kernels already, which "
+                              "torch.compile leaves as they are", "use optim.impl=foreach (inductor then fuses the "
+                              "step's kernels itself), or compile.optimizer=false")
+        self.clock.start()
+        optimizer.step = CompiledStep(optimizer, self.options())
+        return optimizer
     def report(self):
         return self.clock.report()
 
@@ -108,6 +162,31 @@ class CompiledLoss:
 
     def __getattr__(self, name):
         return getattr(self.objective, name)
+
+
+class CompiledStep:
+    """``optimizer.step`` through ``torch.compile`` (its step hooks included: looplib's count of
+    real updates sees every step). On a GPU each group's learning rate becomes a 0-dim tensor on
+    the parameters' device, so a schedule that changes it writes into the tensor (``fill_``) and
+    never recompiles the step (torch.compile then steps foreach optimizers with capturable kernels,
+    which read the rate on the device); on a CPU it stays a number (a tensor rate needs those)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, options: dict):
+        # the class's step (torch wraps it to run the step hooks); an LR scheduler built before or after
+        # this sees a step it need not wrap (_wrapped_by_lr_sched) and the call noted as its own wrapper would
+        self.optimizer, self.step = optimizer, type(optimizer).step.__get__(optimizer)
+        self.compiled = torch.compile(self.step, **options)
+        self._wrapped_by_lr_sched = True
+
+    def __call__(self, closure=None):
+        self.optimizer._opt_called = True
+        if closure is not None:  # a closure re-evaluates the model: not something to compile
+            return self.step(closure)
+        for group in self.optimizer.param_groups:
+            lr = group["lr"]
+            if not isinstance(lr, torch.Tensor) and group["params"] and group["params"][0].is_cuda:
+                group["lr"] = torch.tensor(float(lr), device=group["params"][0].device)
+        return self.compiled()
 
 
 class CompileClock:

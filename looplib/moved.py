@@ -56,6 +56,9 @@ NAMES: dict[tuple[str, str], str] = {
     ("looplib.optim", "Schedule"): "looplib.schedule",
     ("looplib.optim", "Constant"): "looplib.schedule",
     ("looplib.optim", "WarmupCosine"): "looplib.schedule",
+    **{("looplib.cli.tune", name): "looplib.tune.driver" for name in (
+        "memory_limit", "cache_file", "Progress", "tuned", "outcome", "dry_run", "finish")},
+    ("looplib.tune.measure", "World"): "looplib.tune.world",
 }
 RENAMED = {("looplib.loggers", "build"): "build_loggers", ("looplib.assemble", "run"): "train"}
 

@@ -162,7 +162,14 @@ class QLoRA(LoRA):
     is wrapped. Adapters go on every linear layer unless ``target_modules`` says otherwise (the
     QLoRA paper's choice). The adapter saved loads with peft on the 4-bit base or on the
     full-precision one; ``merge: true`` writes the dequantised base with the adapter merged.
-    Under a sharding engine (FSDP, DeepSpeed) the 4-bit base cannot go: refused."""
+
+    Under FSDP (an engine with ``shards_4bit``) the packed weights are stored in the compute
+    dtype (bitsandbytes' ``quant_storage``: the same bytes, two weights a byte, in a float
+    tensor FSDP shards like any parameter), quantised on the device and left in host memory for
+    FSDP to shard one unit at a time; each layer's quantisation constants stay whole on every
+    rank (bitsandbytes puts them back on the gathered weight). The frozen rest (embeddings,
+    norms, head) is stored in a 16-bit compute dtype, to which FSDP casts it for every forward
+    anyway. DeepSpeed is refused, and so is FSDP's CPU offload."""
 
     def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
                  target_modules: list[str] | tuple[str, ...] | None = None,
@@ -178,12 +185,21 @@ class QLoRA(LoRA):
         self.bnb = import_bitsandbytes("peft", "+peft=qlora", "use +peft=lora")
         self.quant_type, self.double_quant = quant_type, double_quant
         self.device, self.compute_dtype = torch.device("cpu"), torch.float32  # check() says where and in what
+        self.sharded = False  # under FSDP (check): float storage, quantised into host memory
 
     def check(self, engine, precision) -> None:
-        if not getattr(engine, "keeps_modules", True):
-            raise ConfigError("peft", f"a 4-bit base cannot be sharded or re-typed by {type(engine).__name__} "
-                              "(bitsandbytes' packed weights and their quantisation constants are not parameters "
-                              "it knows)", "use the local engine or +engine=ddp with +peft=qlora")
+        self.sharded = not getattr(engine, "keeps_modules", True)
+        if self.sharded and not getattr(engine, "shards_4bit", False):
+            raise ConfigError("peft", f"+engine={engine.label} with +peft=qlora: ZeRO flattens parameters into its own "
+                              "partitions and casts them to its compute dtype, and knows nothing of the quantisation "
+                              "constants bitsandbytes keeps beside the packed 4-bit weights",
+                              "use +engine=fsdp (it shards the 4-bit base), or +engine=ddp / the local engine")
+        if self.sharded and getattr(engine, "offload", "none") != "none":
+            raise ConfigError("engine.offload", "engine.offload=cpu with +peft=qlora: FSDP's CPU offload of a 4-bit "
+                              "base is not supported (the quantisation constants live beside the module, outside "
+                              "FSDP's offload, and the combination has not been checked on a GPU)",
+                              "use engine.offload=none (the base is already 4 bits) with more processes, or "
+                              "+checkpointing=offload to move activations to host memory")
         dtype = precision.dtype or torch.float32
         converts = type(precision).convert is not Precision.convert  # fp8: its own linear layers
         if dtype not in (torch.float32, torch.bfloat16, torch.float16) or converts:
@@ -191,14 +207,26 @@ class QLoRA(LoRA):
                               f"+precision={precision.name}", "use +precision=bf16 (or fp32, fp16) with +peft=qlora")
         self.device, self.compute_dtype = engine.device, dtype
 
+    @property
+    def storage(self) -> torch.dtype:
+        """The packed weights' dtype: uint8, or under FSDP the compute dtype (mixed precision then
+        leaves them as they are: FSDP casts only parameters whose dtype differs from its own)."""
+        return self.compute_dtype if self.sharded else torch.uint8
+
+    @property
+    def place(self) -> torch.device:
+        """Where the quantised base is held until the engine takes it: under FSDP host memory (no
+        rank holds the whole base on its device), else the device it computes on."""
+        return torch.device("cpu") if self.sharded else self.device
+
     def loading(self):
         from .hf.config import loading_in_4bit
-        return loading_in_4bit(self.bnb_options(), self.device)
+        return loading_in_4bit(self.bnb_options(), self.place)
 
     def bnb_options(self) -> dict:
         """transformers' ``BitsAndBytesConfig`` keys for this base."""
         return dict(load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
-                    bnb_4bit_compute_dtype=self.compute_dtype)
+                    bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.storage)
 
     def targets_for(self, model):
         if self.target_modules is None and isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
@@ -210,8 +238,21 @@ class QLoRA(LoRA):
         if getattr(model, "task_type", "CAUSAL_LM") != "CAUSAL_LM":
             raise ConfigError("peft", f"+peft=qlora quantises causal language models, not a {type(model).__name__}",
                               "use +peft=lora for a classifier")
-        quantize(model, self.bnb, self.quant_type, self.double_quant, self.compute_dtype, self.device)
+        quantize(model, self.bnb, self.quant_type, self.double_quant, self.compute_dtype, self.device, self.storage,
+                 self.place)
+        if self.sharded and self.compute_dtype != torch.float32:
+            frozen_in(model, self.compute_dtype)
         return super().wrap(model)
+
+
+def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen full-precision parameters (embeddings, norms, head) stored in ``dtype``: under FSDP's
+    mixed precision each is cast to it for every forward anyway, so the same numbers in half the bytes."""
+    with torch.no_grad():
+        for p in model.parameters():
+            packed = type(p).__name__ == "Params4bit" or hasattr(p, "fourbit")  # real, or planned on meta
+            if p.is_floating_point() and p.dtype == torch.float32 and not packed:
+                p.data = p.data.to(dtype)
 
 
 def load_lora(model: nn.Module, path: str | Path, trainable: bool = False) -> nn.Module:

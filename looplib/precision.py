@@ -6,8 +6,9 @@ then at the accumulation boundary ``unscale(optimizer)`` (before clipping) and
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import torch
 
@@ -113,25 +114,52 @@ class BF16(Autocast):
     dtype = torch.bfloat16
 
 
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+RECIPES = get_args(Recipe)
+
+
 class FP8(BF16):
     """float8 matmuls through torchao (``pip install 'looplib[fp8]'``, imported only when chosen)
     on GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell), inside bf16 autocast.
 
-    Every ``nn.Linear`` whose input and output widths are multiples of 16 (what the fp8 matmul
-    kernels need) becomes torchao's ``Float8Linear`` (dynamic per-tensor scaling: e4m3 for
-    inputs and weights, e5m2 for gradients); the output projection (``lm_head``, sensitive and
-    often tied to the embedding) and layers listed in ``skip`` stay in bf16. Weights, optimizer
-    state and checkpoints keep their dtype and names.
+    ``nn.Linear`` layers become torchao's ``Float8Linear`` with dynamic scaling (``recipe``:
+    ``tensorwise``, one scale per tensor; ``rowwise``, one per row: closer to bf16, a little slower
+    per matmul; ``rowwise_with_gw_hp``: rowwise with the weight gradient in high precision), except
+    the output projection (``lm_head``, sensitive and often tied to the embedding), layers named in
+    ``skip``, layers whose widths are not multiples of 16 (the fp8 kernels need them), and, with
+    ``filter: size`` (the default), layers too small for fp8 to pay for its casts (``big_enough``).
+    Under FSDP2 (``+engine=fsdp``) with the tensorwise recipe, the sharded weights are cast to fp8
+    before they are all-gathered (half the bytes of bf16 on the wire; ``fsdp_all_gather``: ``auto``
+    does so exactly then, ``true`` insists, ``false`` gathers bf16), and the scales of every weight
+    are computed in one all-reduce after each optimizer step. Weights, optimizer state and
+    checkpoints keep their dtype and names.
     """
 
     name = "fp8"
+    sharded = False  # set by the FSDP engine (precision_for) before setup
 
-    def __init__(self, skip_nonfinite: bool = True, skip: list[str] | None = None,
-                 recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"):
+    def __init__(self, skip_nonfinite: bool = True, skip: list[str] | None = None, recipe: Recipe = "tensorwise",
+                 filter: Literal["size", "none"] = "size", fsdp_all_gather: Literal["auto"] | bool = "auto"):
         super().__init__(skip_nonfinite)
-        self.skip, self.recipe = list(skip or []), recipe
+        if recipe not in RECIPES:
+            raise ConfigError("precision.recipe", f"unknown fp8 recipe {recipe!r}", f"use one of {', '.join(RECIPES)}")
+        if filter not in ("size", "none"):
+            raise ConfigError("precision.filter", f"unknown filter {filter!r}",
+                              "use size (small layers stay in bf16) or none (every layer that fits the kernels)")
+        if fsdp_all_gather not in ("auto", True, False):
+            raise ConfigError("precision.fsdp_all_gather", f"{fsdp_all_gather!r} is not auto, true or false",
+                              "use auto, true or false")
+        if fsdp_all_gather is True and recipe != "tensorwise":
+            raise ConfigError("precision.fsdp_all_gather", f"fp8 all-gathers need the tensorwise recipe (a weight is "
+                              f"cast with one scale before FSDP gathers it), not {recipe}",
+                              "use precision.recipe=tensorwise, or precision.fsdp_all_gather=auto (bf16 gathers)")
+        self.skip, self.recipe, self.filter, self.fsdp_all_gather = list(skip or []), recipe, filter, fsdp_all_gather
+        self.model = None
 
     def setup(self, device):
+        if self.fsdp_all_gather is True and not self.sharded:
+            raise ConfigError("precision.fsdp_all_gather", "fp8 all-gathers are FSDP2's, and this run has no "
+                              "+engine=fsdp", "use +engine=fsdp, or leave precision.fsdp_all_gather=auto")
         super().setup(device)
         fix = "use +precision=bf16 on this device (fp8 runs on H100, L4, RTX 4090 and newer)"
         if self.device.type != "cuda":
@@ -142,18 +170,54 @@ class FP8(BF16):
                               f"{torch.cuda.get_device_name(self.device)} has {major}.{minor}", fix)
         import_torchao_float8()
 
+    def all_gather(self) -> bool:
+        """Whether FSDP gathers the weights in fp8 (see the class's note)."""
+        if self.fsdp_all_gather == "auto":
+            return self.sharded and self.recipe == "tensorwise"
+        return bool(self.fsdp_all_gather)
+
     def convert(self, model):
-        return float8_training(model, self.skip, self.recipe)
+        self.model = model
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        float8_training(model, self.skip, self.recipe, by_size=self.filter == "size", fsdp_all_gather=self.all_gather())
+        fp8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        logging.getLogger("looplib").info(
+            "fp8 (%s): %d of %d linear layers in fp8, the rest in bf16 (the head, precision.skip, widths not multiples "
+            "of 16%s); FSDP all-gathers in %s", self.recipe, fp8, linears, ", too small: filter=size"
+            if self.filter == "size" else "", "fp8" if self.all_gather() else "bf16" if self.sharded else "-")
+        return model
+
+    def step(self, optimizer, grad_norm=None):
+        skipped = super().step(optimizer, grad_norm)
+        if self.model is not None and self.all_gather():  # the next gathers' scales, all in one all-reduce
+            import_torchao_float8().precompute_float8_dynamic_scale_for_fsdp(self.model)
+        return skipped
 
 
 def import_torchao_float8():
     return need("torchao.float8", "fp8", "precision", "+precision=fp8")
 
 
-def float8_training(model: torch.nn.Module, skip: list[str] = (), recipe: str = "tensorwise") -> torch.nn.Module:
+def big_enough(in_features: int, out_features: int, recipe: str) -> bool:
+    """Whether a linear layer's matmul is large enough for fp8 to pay for its casts (the rule of
+    ``precision.filter=size``): the thresholds are torchao's H100 measurements of one linear
+    layer's forward and backward, fp8 against bf16 (torchao/float8's README, performance tables;
+    its ``_auto_filter_for_recipe`` draws the same lines). tensorwise: more than 4096 inputs or
+    more than 1024 outputs; rowwise (and rowwise_with_gw_hp): more than 2048 outputs and more than
+    1024 inputs, and not both at most 4096 outputs and at most 2048 inputs."""
+    k, n = in_features, out_features
+    if recipe == "tensorwise":
+        return k > 4096 or n > 1024
+    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+
+
+def float8_training(model: torch.nn.Module, skip: list[str] = (), recipe: str = "tensorwise", by_size: bool = False,
+                    fsdp_all_gather: bool = False) -> torch.nn.Module:
     """``torchao.float8.convert_to_float8_training`` on every ``nn.Linear`` whose widths are
-    multiples of 16, except the model's ``lm_head`` and modules whose names end with one in
-    ``skip``. Converts in place (no device needed); returns the model."""
+    multiples of 16, except the model's ``lm_head``, modules whose names end with one in ``skip``
+    and, with ``by_size``, layers too small to gain (``big_enough``). ``fsdp_all_gather``: FSDP2
+    gathers the converted weights in fp8 (tensorwise only). Converts in place (no device needed)."""
+    import dataclasses
     float8 = import_torchao_float8()
     head = getattr(model, "lm_head", None)
     heads = {id(head)} | {id(m) for name, m in model.named_modules() if name.split(".")[-1] in ("lm_head", "head")}
@@ -163,9 +227,13 @@ def float8_training(model: torch.nn.Module, skip: list[str] = (), recipe: str = 
             return False
         if any(fqn == s or fqn.endswith("." + s) for s in skip):
             return False
+        if by_size and not big_enough(module.in_features, module.out_features, recipe):
+            return False
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return float8.convert_to_float8_training(model, config=config, module_filter_fn=wanted)
 
 

@@ -52,8 +52,11 @@ def is_4bit(module: nn.Module, planned: bool = True) -> bool:
 
 
 def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
-             device: torch.device) -> nn.Module:
-    """Replace the linear layers in place (those transformers already loaded in 4 bits stay)."""
+             device: torch.device, storage: torch.dtype = torch.uint8, place: torch.device | None = None) -> nn.Module:
+    """Replace the linear layers in place (those transformers already loaded in 4 bits stay):
+    quantised on ``device``, the packed weights held in ``storage`` (uint8, or a float dtype that
+    FSDP shards as it shards any parameter: two 4-bit weights a byte either way) and left on
+    ``place`` (default ``device``; a sharding engine takes them from host memory one unit at a time)."""
     meta = any(p.is_meta for p in model.parameters())
     layers = quantisable(model)
     done = [m for m in model.modules() if is_4bit(m)]
@@ -63,9 +66,9 @@ def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute
     modules = dict(model.named_modules())
     for name, linear in layers:
         parent, _, attr = name.rpartition(".")
-        make = PlannedLinear4bit if meta else real_4bit
-        setattr(modules[parent] if parent else model, attr,
-                make(linear, bnb, quant_type, double_quant, compute_dtype, device))
+        layer = PlannedLinear4bit(linear, bnb, quant_type, double_quant, compute_dtype, device) if meta \
+            else real_4bit(linear, bnb, quant_type, double_quant, compute_dtype, device, storage, place or device)
+        setattr(modules[parent] if parent else model, attr, layer)
     for m in model.modules():
         if is_4bit(m, planned=False):
             # bitsandbytes repacks weights for its CPU kernel on the first forward that needs no
@@ -74,6 +77,7 @@ def quantize(model: nn.Module, bnb, quant_type: str, double_quant: bool, compute
             m.compute_dtype, m.compute_type_is_set = compute_dtype, True
             if not getattr(m, "loads_quant_state", False):  # resume: the constants come back with the bytes
                 m._register_load_state_dict_pre_hook(load_quant_state, with_module=True)
+                m.register_forward_pre_hook(constants_follow)
                 m.loads_quant_state = True
     if layers:
         log.info("QLoRA: %d linear layers of %s in 4 bits (%s%s, compute %s)", len(layers), type(model).__name__,
@@ -92,6 +96,40 @@ def load_quant_state(module, state_dict, prefix, *args) -> None:
         module.weight.quant_state = module.quant_state = QuantState.from_dict(stats, device=module.weight.device)
 
 
+def constants_follow(module, args) -> None:
+    """The quantisation constants on the device the input is on. Under FSDP the packed weight is a
+    shard that FSDP moves and gathers; the constants are the module's own (``module.quant_state``,
+    whole on every rank), which bitsandbytes puts back on the gathered weight in its forward."""
+    qs = getattr(module, "quant_state", None)
+    if qs is not None and args and torch.is_tensor(args[0]) and qs.absmax.device != args[0].device:
+        qs.to(args[0].device)
+
+
+def quant_constants(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every 4-bit layer's quantisation constants under the names its state dict gives them
+    (``<layer>.weight.absmax`` ...; bitsandbytes' own packing), from the module's own state: under
+    FSDP the weight is a shard without it. Empty for a model without 4-bit layers."""
+    out = {}
+    for name, m in model.named_modules():
+        if is_4bit(m, planned=False) and getattr(m, "quant_state", None) is not None:
+            for key, value in m.quant_state.as_dict(packed=True).items():
+                out[f"{name}.weight.{key}"] = value
+    return out
+
+
+def restore_constants(model: nn.Module, constants: dict[str, torch.Tensor]) -> None:
+    """Each 4-bit layer's quantisation state from ``constants`` (``quant_constants``' names)."""
+    from bitsandbytes.functional import QuantState
+    for name, m in model.named_modules():
+        head = f"{name}.weight."
+        stats = {key[len(head):]: value for key, value in constants.items() if key.startswith(head)}
+        if stats and is_4bit(m, planned=False):
+            device = m.quant_state.absmax.device
+            m.quant_state = QuantState.from_dict(stats, device=device)
+            if getattr(m.weight, "quant_state", None) is not None:
+                m.weight.quant_state = m.quant_state
+
+
 def frozen_bias(linear: nn.Linear, dtype: torch.dtype, device=None):
     # bitsandbytes casts the bias to the compute dtype at the first forward; cast it once here
     if linear.bias is None:
@@ -99,13 +137,18 @@ def frozen_bias(linear: nn.Linear, dtype: torch.dtype, device=None):
     return nn.Parameter(linear.bias.detach().to(device=device, dtype=dtype), requires_grad=False)
 
 
-def real_4bit(linear: nn.Linear, bnb, quant_type, double_quant, compute_dtype, device) -> nn.Module:
+def real_4bit(linear: nn.Linear, bnb, quant_type, double_quant, compute_dtype, device, storage=torch.uint8,
+              place=None) -> nn.Module:
     layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               compute_dtype=compute_dtype, compress_statistics=double_quant, quant_type=quant_type,
-                              device="meta")
-    layer.weight = bnb.nn.Params4bit(linear.weight.detach(), requires_grad=False, compress_statistics=double_quant,
-                                     quant_type=quant_type, module=layer)._quantize(device)
-    layer.bias = frozen_bias(linear, compute_dtype, device)
+                              quant_storage=storage, device="meta")
+    weight = bnb.nn.Params4bit(linear.weight.detach(), requires_grad=False, compress_statistics=double_quant,
+                               quant_type=quant_type, quant_storage=storage, module=layer)._quantize(device)
+    place = torch.device(place or device)
+    if weight.device != place:  # Params4bit.to moves its quantisation state (the module's too) with it
+        weight = weight.to(place)
+    layer.weight = weight
+    layer.bias = frozen_bias(linear, compute_dtype, place)
     return layer
 
 
@@ -166,6 +209,8 @@ def dequantized(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str,
     constants = tuple(key + "." for key in layers)  # key.absmax, key.quant_map, key.nested_absmax ...
     out = {key: value for key, value in weights.items() if not key.startswith(constants)}
     for key, m in layers.items():
-        if key in out:
-            out[key] = F.dequantize_4bit(m.weight.data, m.weight.quant_state).to("cpu", m.weight.quant_state.dtype)
+        if key in out:  # the packed bytes as gathered (FSDP: the weight itself is this rank's shard)
+            qs = getattr(m.weight, "quant_state", None) or m.quant_state
+            packed = out[key].to(qs.absmax.device)
+            out[key] = F.dequantize_4bit(packed, qs).to("cpu", qs.dtype)
     return out

@@ -2,6 +2,7 @@
 activation strategies (none, blocks, selective, offload) side by side, each against the planner.
 
     python scripts/bench_fit.py --rows qlora8b --out results/fit          # GPU: 8B-shaped QLoRA under 16 GiB
+    python scripts/bench_fit.py --rows qlora8b,qlora8b_fsdp --out results/fit   # GPU: and under FSDP2, one device
     python scripts/bench_fit.py --rows none,blocks,selective,offload --out results/fit   # GPU: GPT-2 small
     python scripts/bench_fit.py --small --out /tmp/fit                    # CPU: the tiny model, a smoke run
 
@@ -12,7 +13,10 @@ samples/s (the median step after the first), the allocator's peak (``torch.cuda.
 the CPU's peak RSS on a CPU), the planner's peak for the same overrides and its error, and the
 planner's activation figures (on the device; in host memory for offload). qlora8b builds the
 model from Llama-3-8B's config (random weights: no download), quantises its linear layers to NF4
-on the GPU, and trains LoRA adapters at sequence 2048, batch 1, bf16, with block checkpointing.
+on the GPU, and trains LoRA adapters at sequence 2048, batch 1, bf16, with block checkpointing;
+qlora8b_fsdp runs the same job under ``+engine=fsdp`` as one process of torchrun (the 4-bit base in
+FSDP2's float shards, ``looplib.peft.QLoRA``), planned per rank (``Plan.fsdp_4bit``), and the table
+ends with its peak against the plain row's. With ``--small`` every row runs the tiny model.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ ROWS = {  # name: (label, job, overrides)
                 LLAMA3_8B, ["+peft=qlora", "+checkpointing=blocks"]),
     "qlora8b_offload": ("Llama-3-8B-shaped, QLoRA, offload, seq 2048 x 1, bf16",
                         LLAMA3_8B, ["+peft=qlora", "+checkpointing=offload"]),
+    "qlora8b_fsdp": ("Llama-3-8B-shaped, QLoRA under FSDP2 on one device (torchrun, 1 process), blocks, seq 2048 x 1, "
+                     "bf16", LLAMA3_8B, ["+peft=qlora", "+checkpointing=blocks", "+engine=fsdp"]),
     "none": ("GPT-2 small, bf16, batch 8 x 1024, no checkpointing", GPT2, []),
     "blocks": ("GPT-2 small, +checkpointing=blocks", GPT2, ["+checkpointing=blocks"]),
     "selective": ("GPT-2 small, +checkpointing=selective", GPT2, ["+checkpointing=selective"]),
@@ -57,6 +63,12 @@ def plan(job: list[str], overrides: list[str], memory: int) -> dict:
         cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
     p = build_plan(cfg, memory=memory)
     mb = p.micro_batch
+    if p.four_bit and p.engine == "fsdp":  # the 4-bit base sharded: the per-rank plan (one rank here)
+        r = p.fsdp_4bit(1)
+        return {"planned_peak_mb": r["peak"] / 2**20, "planned_static_mb": (r["peak"] - r["activations"]) / 2**20,
+                "planned_weights_mb": (r["packed"] + r["constants"] + r["frozen"] + r["adapters"]) / 2**20,
+                "planned_activations_mb": p.activations.device.at(mb) / 2**20,
+                "planned_in_backward_mb": p.activations.transient.at(mb) / 2**20, "planned_host_mb": p.host.at(mb) / 2**20}
     return {"planned_peak_mb": p.peak(mb) / 2**20, "planned_static_mb": p.static / 2**20,
             "planned_weights_mb": p.weights / 2**20, "planned_activations_mb": p.activations.device.at(mb) / 2**20,
             "planned_in_backward_mb": p.activations.transient.at(mb) / 2**20, "planned_host_mb": p.host.at(mb) / 2**20}
@@ -75,6 +87,14 @@ def run(name: str, steps: int, device: str, out: Path, cap_gib: float | None, sm
         command = [sys.executable, "-c", CAPPED.format(fraction=fraction), *args]
     else:
         command = [sys.executable, "-m", "looplib.train", *args]
+    if "+engine=fsdp" in overrides:  # one process under torchrun (world size 1): the same command, launched
+        script = out / "train_under_torchrun.py"  # torchrun runs a file: the command's -c / -m as one
+        script.write_text(command[2] if command[1] == "-c" else
+                          "import runpy, sys; sys.argv = ['looplib.train'] + sys.argv[1:]; "
+                          "runpy.run_module('looplib.train', run_name='__main__')")
+        from looplib.engines.launch import free_port
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                   str(free_port()), str(script), *command[3:]]
     t0 = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     result = {"row": name, "label": label, "overrides": overrides, "cap_gib": cap_gib, "wall_s": time.perf_counter() - t0,
@@ -105,6 +125,13 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['label']} | {r['status']} | {speed} | {ratio} | {peak} | {r['planned_peak_mb']:,.0f} | "
                      f"{error} | {r['planned_activations_mb']:,.0f} + {r['planned_in_backward_mb']:,.0f} | "
                      f"{r['planned_host_mb']:,.0f} |")
+    plain, sharded = (next((r for r in results if r["row"] == name and r["status"] == "ok"), None)
+                      for name in ("qlora8b", "qlora8b_fsdp"))
+    if plain and sharded:  # QLoRA under FSDP2 on one device against the plain QLoRA row
+        lines += ["", f"QLoRA under FSDP2 on one device / plain QLoRA: peak {sharded['peak_mem_mb']:,.0f} / "
+                  f"{plain['peak_mem_mb']:,.0f} MB = {sharded['peak_mem_mb'] / plain['peak_mem_mb']:.3f} "
+                  f"(planned {sharded['planned_peak_mb'] / plain['planned_peak_mb']:.3f}); samples/s "
+                  f"{sharded['samples_per_s'] / plain['samples_per_s']:.2f}x"]
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.rows.split(","):
-        cap = args.cap_gib if args.cap_gib is not None else (16.0 if name.startswith("qlora8b") else None)
+        cap = args.cap_gib if args.cap_gib is not None else (16.0 if name.startswith("qlora8b") and not args.small
+                                                             else None)
         results.append(run(name, args.steps, device, args.out, cap, args.small))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "error"}), flush=True)
         if results[-1]["status"] != "ok":

@@ -36,6 +36,17 @@ import torch
 # name: (label, overrides, dtype of the matmul peak it is measured against). The GPU rows climb a
 # ladder from the eager baseline (GPT-2's own vocabulary, 50,257) one change at a time; every row
 # names all its overrides, so any row can be run alone (--rows) and new ones composed (--add).
+def merge(*overrides: list[str]) -> list[str]:
+    """Command-line overrides, later ones replacing earlier ones of the same key (``+group=x`` and
+    ``group=x`` are one key); a group's own keys (``compile.loss``) go when the group is replaced
+    by one that is not the same option."""
+    out: dict[str, str] = {}
+    for item in (o for group in overrides for o in group):
+        key, _, value = item.partition("=")
+        out[key.lstrip("+")] = item
+    return list(out.values())
+
+
 BF16 = ["+precision=bf16", "+optim=adamw", "optim.impl=fused"]
 PAD = ["model.pad_vocab_to=64"]
 COMPILED = BF16 + PAD + ["+compile=default"]
@@ -53,7 +64,50 @@ GPU_ROWS = {
                    "batch_size=auto", "global_batch_size=64"], torch.bfloat16),
     "fp8": ("+ fp8 matmuls (torchao), loss compiled", ["+precision=fp8", "+optim=adamw", "optim.impl=fused"] + PAD
             + ["+compile=default", "compile.loss=true"], torch.bfloat16),
+    # issue 33's options
+    "compile_optimizer": ("+ optimizer step compiled (foreach AdamW, inductor-fused), loss compiled",
+                          merge(COMPILED, ["compile.loss=true", "optim.impl=foreach", "compile.optimizer=true"]),
+                          torch.bfloat16),
+    "graphs_step": ("+ CUDA graphs over forward, backward and the compiled optimizer step",
+                    merge(BF16, PAD, ["+compile=reduce_overhead", "optim.impl=foreach", "compile.optimizer=true"]),
+                    torch.bfloat16),
+    "regional": ("torch.compile of each block (regional: cold start flat in depth)",
+                 BF16 + PAD + ["+compile=default", "compile.regional=true"], torch.bfloat16),
+    "batch16": ("+ micro-batch 16 (global 16), loss compiled", COMPILED + ["compile.loss=true", "batch_size=16"],
+                torch.bfloat16),
+    "fp8_rowwise": ("+ fp8 matmuls, rowwise scales (torchao), loss compiled",
+                    ["+precision=fp8", "precision.recipe=rowwise", "+optim=adamw", "optim.impl=fused"] + PAD
+                    + ["+compile=default", "compile.loss=true"], torch.bfloat16),
 }
+# --best: the options a ladder row adds over the compiled row, combined where they beat it (by
+# more than 1%). Each is (row, overrides it adds); rows in one tuple exclude each other (the
+# faster one is taken): the loss (compiled, chunked or Liger), the fp8 recipe.
+BEST_BASE = "compile"
+BEST_OPTIONS = [
+    (("compile_loss", ["compile.loss=true"]), ("liger", ["loss=lm_liger"]), ("chunked", ["loss=lm_chunked"])),
+    (("compile_optimizer", ["optim.impl=foreach", "compile.optimizer=true"]),),
+    (("reduce_overhead", ["+compile=reduce_overhead"]),),
+    (("batch16", ["batch_size=16"]),),
+    (("fp8", ["+precision=fp8"]), ("fp8_rowwise", ["+precision=fp8", "precision.recipe=rowwise"])),
+]
+
+
+def best_row(results: list[dict]) -> tuple[list[str], list[str]] | None:
+    """The combination of the ladder's options that each beat the compiled row: (overrides, the
+    rows it takes from); None without an ok compiled row."""
+    ok = {r["row"]: r for r in results if r["status"] == "ok"}
+    base = ok.get(BEST_BASE)
+    if base is None:
+        return None
+    chosen, taken = [], []
+    for choices in BEST_OPTIONS:
+        better = [(ok[row]["tokens_per_s"], row, add) for row, add in choices
+                  if row in ok and ok[row]["tokens_per_s"] > 1.01 * base["tokens_per_s"]]
+        if better:
+            _, row, add = max(better)
+            chosen.append(add)
+            taken.append(row)
+    return merge(GPU_ROWS[BEST_BASE][1], *chosen), taken
 CPU_ROWS = {
     "fp32": ("fp32, foreach AdamW, SDPA", ["+optim=adamw", "optim.impl=foreach"], torch.float32),
     "bf16": ("bf16 autocast, foreach AdamW, SDPA", ["+precision=bf16", "+optim=adamw", "optim.impl=foreach"],
@@ -161,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_mfu"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for the peak and every row "
                         "(default 1 with --small: steadier on a shared machine)")
+    parser.add_argument("--best", action="store_true", help="after the rows, one more: the options whose rows beat "
+                        "the compiled row by more than 1%%, combined (GPU)")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole ladder: rows that would "
+                        "start after budget minus the slowest row so far are left out (said in the table), so that "
+                        "--best still runs")
     parser.add_argument("--add", action="append", default=[], metavar="NAME=OVERRIDE,OVERRIDE",
                         help="a further row from looplib overrides, e.g. --add best=+precision=bf16,+optim=adamw,"
                         "optim.impl=fused,model.pad_vocab_to=64,+compile=default,batch_size=16 (repeatable)")
@@ -196,20 +255,38 @@ def main(argv: list[str] | None = None) -> int:
     model = "tiny GPT (4 layers, 128 wide, sequence 128, vocabulary 500)" if args.small else \
         "GPT-2 small (124M), sequence 1024, vocabulary 50,257"
     title = f"{model}, batch 8 unless said, {name}, median of {steps} steps after {warmup} warm-up"
-    peaks, results = {}, []
+    peaks, results, t_start, slowest = {}, [], time.perf_counter(), 0.0
     for row_name in names:
         label, overrides, dtype = table[row_name]
+        if args.budget_s and time.perf_counter() - t_start + slowest > args.budget_s - (slowest if args.best else 0):
+            skipped[row_name] = f"left out: the ladder's budget of {args.budget_s:.0f} s (--budget-s) would run out"
+            print(f"{label:<50} {skipped[row_name]}", flush=True)
+            continue
+        t_row = time.perf_counter()
         if dtype not in peaks:
             peaks[dtype] = matmul_peak(dtype, device, n) / 1e12
             print(f"measured {dtype} matmul peak ({n} wide): {peaks[dtype]:.3g} TFLOP/s", flush=True)
         row = run_row(row_name, overrides, job, steps, warmup, device.type, peaks[dtype], args.out)
-        row.update(label=label, peak_tflops=peaks[dtype], peak_dtype=str(dtype).removeprefix("torch."))
+        row.update(label=label, peak_tflops=peaks[dtype], peak_dtype=str(dtype).removeprefix("torch."),
+                   wall_s=round(time.perf_counter() - t_row, 1))
+        slowest = max(slowest, row["wall_s"])
         results.append(row)
         if row["status"] == "ok":
             print(f"{label:<50} {row['tokens_per_s']:12,.0f} tokens/s  MFU {100 * row['mfu']:.1f}%", flush=True)
         else:
             print(f"{label:<50} {row['status']}: {row['reason']}", flush=True)
         write(args.out, title, results, skipped, device, job, n)  # after every row: a cut run keeps its rows
+    found = best_row(results) if args.best else None
+    if args.best and found is None:
+        skipped["best"] = f"no ok {BEST_BASE} row to build on"
+    elif found:
+        overrides, taken = found
+        label = "best combination: " + (" + ".join(taken) if taken else f"{BEST_BASE} (no option beat it)")
+        dtype = torch.bfloat16
+        peaks.setdefault(dtype, matmul_peak(dtype, device, n) / 1e12)
+        row = run_row("best", overrides, job, steps, warmup, device.type, peaks[dtype], args.out)
+        row.update(label=label, peak_tflops=peaks[dtype], peak_dtype="bfloat16", taken=taken)
+        results.append(row)
     text = write(args.out, title, results, skipped, device, job, n)
     print("\n" + text)
     print(f"written: {args.out}/mfu_bench.md, .json")

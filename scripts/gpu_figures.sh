@@ -3,8 +3,24 @@
 #
 #     bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]
 #
-# PARTS: check mfu overhead tests guides guides_compile tests_ds engines speed (default: all, in
-# that order), and issue 15's (speed to the limit; not in the default list, name them):
+# PARTS: check mfu overhead tests guides guides_compile tests_ds engines speed_options (default: all,
+# in that order; speed_options was called speed until issue 33: bench_speed.py's options each against
+# its baseline), and issue 33's, which spend a GPU well: `bash scripts/gpu_figures.sh OUT speed peers`
+# runs in under 9 minutes (the parts' limits add up to 535 s; each writes as it goes):
+#   speed          = speed_ladder (150 s) + speed_bert (70 s)
+#   speed_ladder   GPT-2 small ladder to its best combination: eager, compile (padded vocabulary), compiled
+#                  loss, Liger loss, compiled optimizer step, CUDA graphs over forward/backward/optimizer,
+#                  fp8 (tensorwise), regional compile, then --best (the options
+#                  that beat the compiled row, combined). Rows that would overrun the budget are left out
+#                  and said so: with cold compile caches expect 3-5 rows and --best in 150 s; the whole
+#                  ladder takes LIMIT_SPEED_LADDER=420 (a call of its own). target: >= 460,000 tokens/s
+#   speed_bert     BERT-large's fastest row (bf16, fused AdamW, compiled model and loss, largest micro-batch)
+#                  beside vanilla. target: >= 315 samples/s
+#   peers          = peers_gpt2 (90 s) + peers_pretrain (125 s) + peers_qlora (100 s): scripts/bench_peers.py,
+#                  one workload each into OUT/peers/ (peers.md, peers.json; rows merge as they finish; a row
+#                  its part's budget leaves out is written as not run). The GPT-2 job's shapes are the
+#                  ladder's (micro-batch 8), so looplib's row reuses the ladder's compiled kernels (cache).
+# and issue 15's (speed to the limit; not in the default list, name them):
 #   speed_mfu      GPT-2 small ladder, part 1: eager -> padded vocab -> compile -> loss compiled -> chunked loss
 #                  target: >= 460,000 tokens/s in the best row (bench_mfu.py; rows written as they finish)
 #   speed_mfu2     part 2: Liger loss, max-autotune, CUDA graphs, largest micro-batch (auto), fp8
@@ -25,7 +41,10 @@
 #   memory_activations  GPT-2 small, bf16, batch 8: none, blocks, selective, offload (side-stream copies and
 #                  synchronous ones): memory and speed, each beside the planner's figures
 #   memory_tests   the GPU tests of issue 29 (offload on CUDA trains as none does, QLoRA quantises on the device)
-# and issue 36's (not in the default list, name it):
+# and issue 36's (the bigger model, sharded, and checkpoints in the background; not in the default list, name them):
+#   memory_qlora_fsdp  the memory_qlora job as it is and under +engine=fsdp as one process of torchrun (the 4-bit
+#                  base in FSDP2's float shards), side by side. target: the FSDP2 row's peak within 5% of the
+#                  plain row's and of its own per-rank plan (bench_fit.py; the table's last line is the ratio)
 #   checkpoint_stall  a ~1B GPT (fp32 weights and AdamW moments: ~13 GB per checkpoint), bf16 compute: the
 #                  training time lost to each checkpoint, synchronous against checkpoint.async (staged into
 #                  pinned host memory), interleaved in one run; first the GPU test of the pinned copy.
@@ -39,7 +58,7 @@
 set -u
 results=${1:?usage: bash scripts/gpu_figures.sh RESULTS_DIR [PART ...]}
 shift
-all="check mfu overhead tests guides guides_compile tests_ds engines speed"
+all="check mfu overhead tests guides guides_compile tests_ds engines speed_options"
 parts=${*:-$all}
 mkdir -p "$results"
 results=$(cd "$results" && pwd)
@@ -49,11 +68,25 @@ if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then  # DeepSpeed buil
     export CUDA_HOME
 fi
 py=${PYTHON:-python3}
+# A fresh GPU machine (docs/testing.md): WHEELS=DIR installs the wheels of scripts/gpu_wheels.sh into
+# /tmp/site (no network needed); looplib runs from this checkout (its conf/ as looplib.conf, as the
+# installed package has it, when no install provides it).
+if [ -n "${WHEELS:-}" ] && [ -z "${DRY:-}" ]; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+if [ -z "${DRY:-}" ] && ! $py -c "import importlib.resources as r; r.files('looplib.conf')" 2>/dev/null; then
+    ln -sfn ../conf looplib/conf
+fi
+planned=0
+limit() { local var="LIMIT_${1^^}"; echo "${!var:-$2}"; }  # limit NAME DEFAULT: a part's seconds (LIMIT_<NAME>)
 
-part() {  # part NAME DEFAULT_LIMIT COMMAND...
+part() {  # part NAME DEFAULT_LIMIT COMMAND...   (DRY=1: print the part's limit and command only)
     local name=$1 limit=$2 var="LIMIT_${1^^}"
     shift 2
     limit=${!var:-$limit}
+    planned=$((planned + limit))
+    if [ -n "${DRY:-}" ]; then echo "part $name ${limit}s: $*"; return; fi
     echo "=== $name: start $(date +%T), limit ${limit}s"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$results/$name.log" 2>&1
@@ -89,7 +122,18 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     guides_compile) part guides_compile 300 $py scripts/bench_guides.py --rows vanilla,compile \
         --out "$results/guides_compile" ;;
     engines) part engines 300 $py scripts/bench_engines.py --steps 30 --out "$results/engines" ;;
-    speed) part speed 300 $py scripts/bench_speed.py ;;
+    speed_options) part speed_options 300 $py scripts/bench_speed.py ;;
+    speed) l=$(limit speed_ladder 150); part speed_ladder "$l" $py scripts/bench_mfu.py --steps 12 --warmup 6 --best \
+            --budget-s $((l - 15)) \
+            --rows eager,compile,compile_loss,liger,compile_optimizer,graphs_step,fp8,regional \
+            --out "$results/speed_ladder"
+        part speed_bert 70 $py scripts/bench_guides.py --rows fastest --trainer-rows none --steps 16 \
+            --out "$results/speed_bert" ;;
+    peers) for w in gpt2:90 pretrain:125 qlora:100; do
+            l=$(limit "peers_${w%:*}" "${w#*:}")
+            part "peers_${w%:*}" "$l" $py scripts/bench_peers.py --workloads "${w%:*}" --budget-s $((l - 10)) \
+                --out "$results/peers"
+        done ;;
     speed_mfu) part speed_mfu 560 $py scripts/bench_mfu.py --rows eager,pad_vocab,compile,compile_loss,chunked \
         --out "$results/speed_mfu" ;;
     speed_mfu2) part speed_mfu2 560 $py scripts/bench_mfu.py --rows compile,liger,max_autotune,reduce_overhead,batch_auto,fp8 \
@@ -112,12 +156,16 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
     memory_qlora) part memory_qlora 560 $py scripts/bench_fit.py --rows qlora8b --steps 6 --out "$results/memory_qlora" ;;
     memory_activations) part memory_activations 400 $py scripts/bench_fit.py \
         --rows none,blocks,selective,offload,offload_sync --steps 20 --out "$results/memory_activations" ;;
+    memory_qlora_fsdp) part memory_qlora_fsdp 420 $py scripts/bench_fit.py --rows qlora8b,qlora8b_fsdp --steps 6 \
+        --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
     checkpoint_stall) part checkpoint_stall 900 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
 tests/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
-    *) echo "unknown part $p (choose from: $all speed_mfu speed_mfu2 speed_loss speed_guides speed_overhead \
-speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests checkpoint_stall)"; exit 2 ;;
+    *) echo "unknown part $p (choose from: $all speed peers speed_mfu speed_mfu2 speed_loss speed_guides \
+speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
+memory_qlora_fsdp checkpoint_stall)"; exit 2 ;;
     esac
 done
+echo "=== limits of the parts run: ${planned}s in all"

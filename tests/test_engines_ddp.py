@@ -169,30 +169,3 @@ def test_ranks_given_different_jobs_refuse_in_one_line_before_building(tmp_path)
                     "variable, no clock-based seed): one run trains one configuration"], r.stderr
     assert exit_file.read_text() == "2\n" and "Traceback (most recent call last)" not in r.stderr.split("looplib:")[0]
     assert not (tmp_path / "run").exists()  # refused before training: nothing stays behind
-
-
-def test_an_optuna_search_under_torchrun_trains_one_configuration_per_trial(tmp_path):
-    """Rank 0 alone asks the study and touches its storage; the other rank trains what it is handed.
-    Each trial's weights equal a one-process run of the same overrides (with a different lr on
-    rank 1, DDP would average gradients of two different runs, and they would not)."""
-    optuna = pytest.importorskip("optuna")
-    sweep = tmp_path / "sweep"
-    job = [*QUICK, "max_steps=3", "eval_every=3", "sample_tokens=0", "checkpoint.enabled=false"]
-    r = run_cli("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "looplib.train", "-m",
-                "+engine=ddp", "hydra/sweeper=optuna", "lr=tag(log, interval(1e-3, 1e-1))", "hydra.sweeper.n_trials=3",
-                "hydra.sweeper.pruner=none", "hydra.sweeper.sampler.seed=1", *job, "batch_size=2",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path, module="torch.distributed.run",
-                env={"PYTHONFAULTHANDLER": "1"})  # a rank that aborts says where
-    assert r.returncode == 0, r.stderr
-    study = optuna.load_study(study_name="looplib", storage=f"sqlite:///{sweep / 'study.db'}")
-    trials = study.get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 3 and len({t.params["lr"] for t in trials}) == 3
-    assert list(sweep.glob("*.db")) == [sweep / "study.db"]  # one study, no rank's own
-    lr = trials[0].params["lr"]
-    assert rows(sweep / "0" / "metrics.jsonl")[0]["lr"] == pytest.approx(lr)
-    one = tmp_path / "one"
-    r = run_cli(*job, "batch_size=4", f"lr={lr}", f"hydra.run.dir={one}", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    a, b = load_file(sweep / "0" / "model.safetensors"), load_file(one / "model.safetensors")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0)

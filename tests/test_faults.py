@@ -284,6 +284,9 @@ def test_torchrun_preempted_every_rank_exits_75_and_the_job_script_reads_it(tmp_
     assert is_valid(saved) is None
     assert out.count("preempted (SIGTERM)") == 1  # said once, by rank 0, after it saved
     assert out.index("checkpoint " + str(saved)) < out.index("preempted (SIGTERM)")
+    said = out.split("Continue with: ", 1)[1].splitlines()[0]  # on the same processes: the same global batch
+    assert said.startswith("torchrun --nproc_per_node 2 -m looplib.train +engine=ddp ") and said.endswith(
+        f"resume=auto hydra.run.dir={run_dir}"), said
 
 
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from looplib.models import GPT
 from looplib.loss import ChunkedTokenCrossEntropy, TokenCrossEntropy, linear_cross_entropy
 from looplib.precision import FP8, Precision
 
-from conftest import gpu, run_cli, tiny_gpt
+from conftest import gpu, random_tokens, run_cli, tiny_gpt
 
 
 def batch_with_ignored(vocab=64, n=3, seq_len=16, seed=1):
@@ -307,3 +307,169 @@ def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
     assert sum(nbytes(v) for s in opt.state.values() for v in s.values()) == state_rule(factory, model)
     big, small = opt.state[model.blocks[0].mlp[0].weight], opt.state[model.blocks[0].ln1.weight]
     assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
+
+
+@gpu
+def test_gpu_cuda_graphs_over_forward_backward_and_the_compiled_optimizer_step_train_like_eager():
+    """+compile=reduce_overhead compile.optimizer=true: the compiled forward, backward and AdamW
+    step replay as CUDA graphs (the step's learning rate a device tensor: the schedule changes it
+    in place); the losses follow the eager run's (fp32)."""
+    from looplib import AdamW, Accumulation, fit
+    from looplib.telemetry import Telemetry
+    from conftest import random_tokens
+
+    def run(strategy):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).cuda()
+        optimizer = AdamW(lr=1e-3, impl="foreach").build(model)
+        if strategy is not None:
+            model, optimizer = strategy.wrap(model), strategy.wrap_optimizer(optimizer)
+        rows = []
+        telemetry = Telemetry(enabled=False, log_every=1, total_steps=6, device="cuda")
+        telemetry.write = rows.append
+        data = torch.utils.data.DataLoader(random_tokens(n=48), batch_size=4)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+        fit(model, data, objective=TokenCrossEntropy(), optimizer=optimizer, accumulation=Accumulation(2),
+            max_steps=6, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
+        return [r["loss"] for r in rows], [r["skipped_steps"] for r in rows]
+
+    torch._dynamo.reset()
+    eager, _ = run(None)
+    graphs, skipped = run(TorchCompile(mode="reduce-overhead", optimizer=True))
+    assert skipped == [0] * 6
+    assert graphs == pytest.approx(eager, rel=1e-4)
+
+
+def meta_linears(*shapes):
+    """Linear layers of the given (in, out) widths on the meta device (no memory), named l0, l1, ..."""
+    return torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(k, n, device="meta") for i, (k, n) in enumerate(shapes)})
+
+
+def test_fp8_leaves_layers_too_small_to_gain_in_bf16_by_recipe():
+    """precision.filter=size (the default): a linear layer goes to fp8 only where its matmul is large
+    enough to pay for the casts (looplib.precision.big_enough: torchao's H100 thresholds per recipe);
+    filter=none converts every layer whose widths are multiples of 16."""
+    pytest.importorskip("torchao")
+    converted = lambda m: sorted(n for n, x in m.named_modules() if type(x).__name__ == "Float8Linear")  # noqa: E731
+    shapes = [(4096, 1024), (4096, 1040), (8192, 512), (1024, 4096), (2048, 4096), (2048, 8192), (4096, 4096),
+              (8200, 8200)]
+    for recipe, want in [("tensorwise", ["l1", "l2", "l3", "l4", "l5", "l6"]), ("rowwise", ["l5", "l6"])]:
+        model = meta_linears(*shapes)
+        FP8(recipe=recipe).convert(model)
+        assert converted(model) == want, recipe
+    model = meta_linears(*shapes, (32, 48))
+    FP8(filter="none").convert(model)
+    assert converted(model) == ["l0", "l1", "l2", "l3", "l4", "l5", "l6", "l8"]  # 8200 is not a multiple of 16
+
+
+def test_fp8_all_gathers_under_fsdp_only_with_the_tensorwise_recipe():
+    """precision.fsdp_all_gather: auto gathers fp8 weights under +engine=fsdp with tensorwise scales
+    (torchao's weight wrapper that casts before the all-gather), bf16 otherwise; true is refused
+    with a rowwise recipe and without FSDP, in one line naming the key."""
+    pytest.importorskip("torchao")
+    from looplib.engines.fsdp import FSDP
+    with pytest.raises(ConfigError, match="fp8 all-gathers need the tensorwise recipe.*not rowwise") as err:
+        FP8(recipe="rowwise", fsdp_all_gather=True)
+    assert err.value.key == "precision.fsdp_all_gather"
+    with pytest.raises(ConfigError, match="this run has no \\+engine=fsdp") as err:
+        FP8(fsdp_all_gather=True).setup(torch.device("cpu"))  # before the device is even asked
+    assert err.value.key == "precision.fsdp_all_gather"
+    for bad, key in [({"recipe": "blockwise"}, "precision.recipe"), ({"filter": "tiny"}, "precision.filter"),
+                     ({"fsdp_all_gather": "yes"}, "precision.fsdp_all_gather")]:
+        with pytest.raises(ConfigError) as err:
+            FP8(**bad)
+        assert err.value.key == key
+    cases = {("tensorwise", "auto"): True, ("rowwise", "auto"): False, ("tensorwise", False): False}
+    for (recipe, gather), want in cases.items():
+        precision = FP8(recipe=recipe, fsdp_all_gather=gather)
+        assert precision.all_gather() is False  # not sharded: never
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match="fp8 needs a CUDA GPU"):
+                FSDP(device="cpu").precision_for(precision)  # marks it sharded, then refuses the CPU
+        else:
+            precision.sharded = True
+        assert precision.sharded and precision.all_gather() is want
+        model = meta_linears((8192, 8192))
+        precision.convert(model)
+        assert (type(model["l0"].weight).__name__ == "WeightWithDynamicFloat8CastTensor") is want
+
+
+# ---- no host-device synchronisation on a step that does not log
+
+
+HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch):
+    """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"), on the whole hot path that
+    train_model runs (assembly, telemetry, the checkpoint policy's bad-step rule, the fused
+    optimizer's on-device skip): every way a tensor's value reaches the host (.item(), float(),
+    int(), bool(), .tolist(), .numpy(), indexing with a tensor) is counted, but for the objective's
+    item count (``count(batch)``), which reads the host batch by design before it moves to the
+    device. Runs of 4 and 12 steps that log at the same two steps (the first and the last) read
+    exactly as often: a read on any step that does not log would add 8."""
+    import sys as _sys
+    from looplib import AdamW, train_model
+    from looplib.accumulation import Accumulation as Windows
+    counts = {}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            frame = _sys._getframe(1)
+            while frame is not None and frame.f_code is not Windows.close.__code__:
+                frame = frame.f_back
+            if frame is None:  # not inside the window's count of its host batches
+                counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    seen = []
+    for steps in (4, 12):
+        counts.clear()
+        train_model(tiny_gpt(), random_tokens(n=256), max_steps=steps, batch_size=4, accum_steps=2, device="cpu",
+                    optim=AdamW(impl="fused"), log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
+                    checkpoint_every=1000, export=None, progress="lines")
+        seen.append(dict(counts))
+    monkeypatch.undo()
+    assert seen[0] == seen[1], seen
+
+
+@gpu
+def test_gpu_steps_that_do_not_log_never_synchronise():
+    """torch.cuda.set_sync_debug_mode("error") around every step that does not log (bf16, the
+    default fused AdamW with its on-device inf/NaN skip, clipping, accumulation, pinned batches
+    moved without blocking): any host-device synchronisation in them raises. The logging steps
+    (their .item()) run with the mode off; two warm-up steps first (lazy initialisation)."""
+    from looplib import AdamW, Accumulation, fit
+    from looplib.data import build_loader
+    from looplib.loop import TrainState
+    from looplib.precision import BF16
+    from looplib.telemetry import Telemetry
+
+    class Strict(Telemetry):
+        def _log(self, *args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                super()._log(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).to(device)
+    optimizer = AdamW(lr=1e-3).build(model)  # auto: fused on CUDA
+    precision = BF16()
+    precision.setup(device)
+    loader = build_loader(random_tokens(n=256), batch_size=4, seed=0, device=device)  # pinned
+    state, logged = TrainState(), []
+    kw = dict(objective=TokenCrossEntropy(), optimizer=optimizer, precision=precision, accumulation=Accumulation(2),
+              engine=Engine(device), max_grad_norm=1.0, state=state)
+    fit(model, loader, max_steps=2, **kw)  # warm-up: allocations, cuBLAS handles
+    telemetry = Strict(enabled=False, log_every=5, total_steps=12, device=device)
+    telemetry.write = logged.append
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fit(model, loader, max_steps=12, telemetry=telemetry, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert state.step == 12 and [row["step"] for row in logged] == [5, 10, 12]

@@ -49,12 +49,13 @@ def test_every_extra_named_for_an_optional_import_exists():
 
 
 # Floors, from the package layout: the top wing (the loop, one module per config group, and the
-# packages data, models, hf, engines, loggers, plan, tune) is floor 0; looplib.run (a run's life
-# without Hydra) floor 1; looplib.cli (the command line) and looplib.report floor 2; the doors
+# packages data, models, hf, engines, loggers, plan) is floor 0; looplib.run (a run's life
+# without Hydra) floor 1; looplib.cli (the command line), looplib.report and looplib.tune (tools
+# built on runs: tune's driver holds a run's signals and directory rules) floor 2; the doors
 # (the package itself, ``__main__`` modules and modules run with ``python -m``) floor 3. A module
 # may import from its own floor or any below, never from one above; and no module, on any floor,
 # is part of an import circle.
-WINGS = {"looplib.run": 1, "looplib.cli": 2, "looplib.report": 2}
+WINGS = {"looplib.run": 1, "looplib.cli": 2, "looplib.report": 2, "looplib.tune": 2}
 DOOR = 3
 
 

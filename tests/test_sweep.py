@@ -100,6 +100,12 @@ def test_a_hopeless_trial_is_pruned_before_its_last_step_and_a_diverged_one_fail
     assert (sweep / "1" / "checkpoints" / "step-00000001").is_dir()  # saved where it stopped, as on preemption
     assert not (sweep / "1" / "checkpoints" / "step-00000004").exists()
     assert math.isnan(final(sweep / "2", "loss")[0])  # diverged: a failed trial, and the sweep went on
+    r = run_cli(str(sweep), "--out", str(tmp_path / "report"), module="looplib.report", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    jobs, study = (tmp_path / "report" / "report.md").read_text().split("## Study")
+    table = {row.split(" | ")[0].strip("| "): row for row in jobs.splitlines() if row.startswith("| ")}
+    assert table["0"].endswith("| ok |") and table["1"].endswith("| pruned at step 1 |")  # not "ok": it was stopped
+    assert "| 1 | pruned |" in study  # and in the study's table
 
 
 def test_more_failures_than_max_failure_rate_stop_the_sweep_with_exit_1_and_the_study_kept(tmp_path):
@@ -146,6 +152,23 @@ def test_bad_input_is_one_line_exit_2_and_the_study_untouched(tpe_sweep, tmp_pat
     r = run_cli(*TPE, "lr=interval(1e-2, 1e-4)", f"hydra.sweep.dir={tmp_path / 'new'}", cwd=tmp_path, env=ENV)
     assert r.returncode == 2 and r.stderr.startswith("looplib: error: lr: "), r.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_sweep_whose_jobs_are_refused_leaves_nothing_behind(tmp_path):
+    """max_steps=0 refuses every job: the sweep stops at its first with the job's line and exit 2, and
+    leaves neither its directory nor a study whose failed trial would refuse the corrected command as
+    "another sweep"."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/sweeper=optuna", "lr=tag(log, interval(1e-4, 1e-2))", "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.pruner=none", *QUICK, f"hydra.sweep.dir={sweep}"]
+    r = run_cli(*args, "max_steps=0", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2 and r.stderr == ("looplib: error: max_steps: max_steps must be at least 1 (got "
+                                              "max_steps=0); use a whole number of optimizer steps, e.g. "
+                                              "max_steps=300\n"), r.stderr
+    assert not sweep.exists()
+    r = run_cli(*args, cwd=tmp_path, env=ENV)  # corrected
+    assert r.returncode == 0, r.stderr
+    assert [t.state.name for t in study_of(sweep).get_trials()] == ["COMPLETE"]
 
 
 def test_without_optuna_the_sweeper_says_what_to_install(tmp_path):

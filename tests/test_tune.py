@@ -5,6 +5,7 @@ recompiles on batches that change shape, a noisy run measured again, the decisio
 and a long job, and a signal mid-candidate."""
 import json
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -71,6 +72,17 @@ def test_search_measures_micro_batch_and_checkpointing(searched):
     # the sample is measured once (by the reference, generating as every candidate here does) and counted
     assert sum(run["sample_s"] is not None for x in measured for run in x["runs"]) == 1
     assert result["load"]["max"] >= result["load"]["min"] >= 0
+    # measured under: OMP_NUM_THREADS=1 (ENV), one process; the cost said before the search and once the job ran
+    assert (result["load"]["threads"], result["load"]["processes"]) == (1, 1) and result["load"]["cores"] >= 1
+    said = r.stdout.splitlines()
+    first = next(i for i, line in enumerate(said) if line.startswith("[tune] 1: as given"))
+    assert said.index(next(x for x in said if x.startswith("[tune] the search: about "))) < first
+    cost = result["cost"]
+    assert cost["runs_likely"] >= 3 and cost["job_s"] == result["rows"][0]["job_s"] and cost["search_s"] > 0
+    assert any(x.startswith(f"[tune] the job as given is predicted to take {cost['job_s']:,.1f} s") for x in said)
+    # no finals ran (tune.finalists=0): nothing is said to be beyond the noise
+    assert result["decision"]["why"].startswith("no candidate was measured again beside the reference (no finals ran")
+    assert "beyond the noise" not in r.stdout
     assert all(x["reason"] for x in rows(result, status="skipped"))
     # the best command is printed last, and tune.md / tune.png are beside tune.json
     assert r.stdout.strip().splitlines()[-1] == result["best"]["command"]
@@ -102,6 +114,26 @@ def test_the_cache_answers_without_training(searched, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "the same job was measured on" in r.stdout and not (tmp_path / "again" / "candidates").exists()
     assert again["rows"] == result["rows"] and again["best"] == result["best"]
+
+
+def test_tune_says_when_the_machine_is_oversubscribed_and_keys_its_cache_on_the_threads(capsys):
+    from looplib.tune.driver import cache_file, finish, oversubscribed, warn_oversubscribed
+    from looplib.tune.settings import Tune
+    quiet = {"cores": 2, "threads": 1, "processes": 2, "cpu": True}
+    assert oversubscribed(quiet, 1.5) is None
+    assert oversubscribed(quiet, 4.6) == "load 4.6 on 2 cores"
+    assert oversubscribed(dict(quiet, threads=2), 0.5) == "2 threads x 2 process(es) on 2 cores"
+    assert oversubscribed(dict(quiet, threads=8, cpu=False), 0.5) is None  # on a GPU the runs' threads wait on it
+    warn_oversubscribed("load 4.6 on 2 cores", True, "as tune starts")
+    finish({"rows": [], "elapsed_s": 60.0, "cost": {"job_s": 5.3}, "best": None,
+            "load": {"min": 4.1, "max": 4.6, "oversubscribed": "load 4.6 on 2 cores"}}, Path("/tmp/t"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[tune] the machine is oversubscribed as tune starts (load 4.6 on 2 cores): ")
+    assert out[1].startswith("[tune] 0 candidates in 60 s (11.3x the job as given, predicted 5.3 s); ")
+    assert out[2].startswith("[tune] measured on an oversubscribed machine (load 4.6 on 2 cores; load 4.1-4.6)")
+    job = ["model.n_layer=1"]
+    assert cache_file(job, Tune(), "cpu", 1, 1) != cache_file(job, Tune(), "cpu", 1, 4)  # other threads: measured again
+    assert cache_file(job, Tune(), "cpu", 1, 1) == cache_file(job, Tune(fresh=True), "cpu", 1, 1)
 
 
 def test_compile_does_not_pay_for_a_short_job_and_a_noisy_run_is_measured_again(tmp_path):
@@ -325,6 +357,15 @@ def test_the_choice_is_the_time_to_finish_this_job(max_steps, chosen):
     assert 500 < search.pays_off_after(row) < 900
 
 
+def test_without_finals_nothing_is_called_faster_or_beyond_the_noise():
+    """One run each (no finals: tune.finalists=0, or the budget): +compile looks 10x faster in its one
+    run, yet it is not chosen, and the reason says why instead of claiming anything about noise."""
+    from looplib.tune.objective import JobPlan
+    search = synthetic(JobPlan(10_000), [(3.0, 0.2, 0.040)], [(3.0, 0.2, 0.004)])
+    assert search.choice.candidate.label() == "as given" and search.rows[1].verdict == "measured once"
+    assert search.why.startswith("no candidate was measured again beside the reference") and "noise" not in search.why
+
+
 def test_a_leader_within_noise_is_not_chosen_over_the_simpler_job():
     """Runs that scatter +-30%: the interval holds 1, so the job as given (simpler) is kept and the
     report says the machine was too noisy to decide."""
@@ -372,6 +413,46 @@ def test_a_signal_stops_the_candidate_and_keeps_what_was_measured(tmp_path):
     assert by["1x2"]["status"] == "interrupted" and "SIGTERM" in by["1x2"]["reason"]
     assert result["interrupted"] and result["stopped_by"] == "SIGTERM"
     assert "stopped by SIGTERM" in out and out.strip().splitlines()[-1] == result["best"]["command"]
+
+
+def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
+    """SIGTERM to rank 1's tuner under torchrun (tune.timeout_s=60, well above a run): both ranks
+    stop at once (rank 0 hears it from the store), both candidates' process groups are killed,
+    rank 0 writes tune.json naming the rank and signal, every rank says one line and exits 75;
+    no rank hangs in a collective its peer left, none ends with a traceback."""
+    from looplib.engines.launch import free_port
+    env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0",
+           "LOOPLIB_EXIT_FILE": str(tmp_path / "status")}
+    job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
+           "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), "-m", "looplib.tune", *job, "tune.search=[batch]", *BARE,
+                             "tune.repeats=1", "tune.timeout_s=60", f"hydra.run.dir={tmp_path / 't'}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    second, deadline, children = str(tmp_path / "t" / "candidates" / "001"), time.time() + 300, []
+    while len(children) < 2 and proc.poll() is None and time.time() < deadline:  # both ranks' second candidate
+        time.sleep(0.05)
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and second in cmdline(p)
+                    and "looplib.train" in cmdline(p)]
+    assert len(children) == 2, proc.communicate(timeout=60)
+    tuners = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    [rank1] = [pid for pid in tuners if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+    time.sleep(0.5)  # mid-candidate
+    os.kill(rank1, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)  # (it hung for 500 s)
+    assert not any(alive(pid) for pid in children), "a candidate outlived the stop"
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and group_of(p) in children]
+    assert err.count("exitcode  : 75") == 2, out[-3000:] + err[-3000:]  # torchrun's summary: each rank 75
+    assert (tmp_path / "status").read_text() == "75\n"  # LOOPLIB_EXIT_FILE: a job script reads it
+    assert err.count("Traceback (most recent call last)") <= 1 and "looplib" not in err.split("ChildFailedError")[0]
+    result = json.loads((tmp_path / "t" / "tune.json").read_text())
+    assert result["interrupted"] and result["stopped_by"] == "SIGTERM" and result["stopped_on_rank"] == 1
+    by = {x["candidate"]: x for x in result["rows"]}
+    assert by["as given"]["status"] == "measured" and by["1x2"]["status"] == "interrupted"
+    assert "[tune] rank 1: stopped by SIGTERM; rank 0 writes what was measured to" in out
+    assert "[tune] stopped by SIGTERM on rank 1: what was measured is in tune.json" in out
+    assert out.strip().splitlines()[-1] == result["best"]["command"]
+    assert result["best"]["command"].startswith("torchrun --nproc_per_node 2 -m looplib.train ")
 
 
 def cmdline(pid: str) -> str:

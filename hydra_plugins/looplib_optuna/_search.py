@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 from looplib.run import rundir
 from looplib.errors import EXIT_CONFIG, ConfigError
 
+from ._comparable import check_geometry, check_signature, command, geometry
+from ._ranks import Ranks, status_of
+
 log = logging.getLogger("looplib")
 STUDY_DB = "study.db"
 DEFAULT_NAME = "looplib"
@@ -43,8 +45,9 @@ COUNTED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, opt
 
 
 def refuse(key: str, problem: str, fix: str) -> None:
-    """One line on stderr, exit 2, before anything is written."""
+    """One line on stderr, exit 2 (also in ``LOOPLIB_EXIT_FILE``), before anything is written."""
     print(f"looplib: error: {ConfigError(key, problem, fix)}", file=sys.stderr, flush=True)
+    rundir.write_exit_status(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
 
 
@@ -95,7 +98,7 @@ class StudySearch:
     """One sweep: its checked settings, its study, and the loop that runs its trials."""
 
     def __init__(self, config: DictConfig, arguments: list[str], *, sampler, direction, storage, study_name,
-                 n_trials, n_jobs, pruner, pruner_args, params, max_failure_rate=1.0):
+                 n_trials, n_jobs, pruner, pruner_args, params, max_failure_rate=1.0, allow_geometry_change=False):
         if int(optuna.__version__.split(".")[0]) < 4:
             raise ImportError(f"Optuna {optuna.__version__} is installed")
         from looplib.run.settings import Sweep
@@ -140,6 +143,9 @@ class StudySearch:
         lines = list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()]
         effective = {line.split("=", 1)[0].lstrip("+~"): line for line in lines}  # the last of a key wins
         self.signature = {"search": sorted(effective.values()), "metric": self.metric, "direction": self.direction}
+        self.geometry = geometry(config, list(self.space))  # the process count and global batch of its trials
+        self.allow_geometry_change = bool(allow_geometry_change)
+        self.created = self.made_dir = False  # by this command: a study, its directory
 
     # ------------------------------------------------------------------ checks (nothing written yet)
     def search_space(self, lines: list[str]) -> tuple[dict, list[str]]:
@@ -187,7 +193,8 @@ class StudySearch:
                    "see Optuna's documentation of the sampler")
 
     def open_study(self) -> optuna.study.Study:
-        """This sweep's study: created, or continued when the storage already holds it."""
+        """This sweep's study: created, or continued when the storage already holds it (the same
+        sweep, on the same process count and global batch)."""
         existing = []
         if not self.default_storage or (self.sweep_dir / STUDY_DB).exists():
             existing = optuna.study.get_all_study_names(storage=self.storage)
@@ -195,25 +202,36 @@ class StudySearch:
         if self.study_name in existing:
             study = optuna.load_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                       pruner=self.pruner)
-            before = study.user_attrs.get("looplib_sweep")
-            if before is not None and before != self.signature:
-                there = [o for o in before["search"] if o not in self.signature["search"]]
-                there += [f"sweep.{k}={before[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
-                here = [o for o in self.signature["search"] if o not in before["search"]]
-                here += [f"sweep.{k}={self.signature[k]}" for k in ("metric", "direction") if before[k] != self.signature[k]]
-                refuse(key, f"{self.storage} holds study {self.study_name!r} of another sweep ({' '.join(there) or '-'} "
-                       f"there, {' '.join(here) or '-'} here)", f"give a new directory ({key}=...), or the same command")
+            try:
+                check_signature(study.user_attrs.get("looplib_sweep"), self.signature,
+                                f"{self.storage} holds study {self.study_name!r}", key)
+                check_geometry(study.user_attrs.get("looplib_geometry"), self.geometry, self.allow_geometry_change,
+                               f"study {self.study_name!r} in {self.storage}", key)
+            except ConfigError as err:
+                refuse(err.key, err.problem, err.fix)
             study.sampler = self.make_sampler(len(study.get_trials(deepcopy=False)))
             return study
         if self.default_storage and (existing or rundir.results(self.sweep_dir)):
             held = ", ".join(existing) or ", ".join(rundir.results(self.sweep_dir)[:4])
             refuse(key, f"{self.sweep_dir} already holds another sweep ({held})",
                    f"give a new directory ({key}=...)")
+        self.made_dir = not self.sweep_dir.exists()
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
                                     pruner=self.pruner, direction=self.direction)
+        self.created = True
         study.set_user_attr("looplib_sweep", self.signature)
+        study.set_user_attr("looplib_geometry", self.geometry)
         return study
+
+    def forget_study(self) -> None:
+        """A new study whose first jobs were refused (exit 2) leaves nothing behind: neither the study
+        (whose failed trial would make the corrected command "another sweep") nor its directory."""
+        if not self.created:
+            return
+        optuna.delete_study(study_name=self.study_name, storage=self.storage)
+        if self.made_dir:
+            rundir.forget(self.sweep_dir, fresh=True)
 
     # ------------------------------------------------------------------ the sweep
     def run(self, launcher) -> None:
@@ -221,12 +239,20 @@ class StudySearch:
         self.ranks = Ranks(self.config)
         if not self.ranks.main:
             return self.ranks.follow(launcher)  # rank 0 asks the study; this rank runs what it is handed
+        try:
+            self.search(launcher)
+        except BaseException as err:  # a refusal, a stop, a crash: the other ranks stop with this one's status
+            self.ranks.stop(status_of(err))
+            raise
+
+    def search(self, launcher) -> None:
         study = self.open_study()
         for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.warning("trial %d was left running by a sweep that stopped: marked failed, not counted", stale.number)
             study._storage.set_trial_user_attr(stale._trial_id, "interrupted", True)
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-        done = sum(t.state in COUNTED and not t.user_attrs.get("interrupted") for t in study.get_trials(deepcopy=False))
+        done = sum(t.state in COUNTED and not (t.user_attrs.get("interrupted") or t.user_attrs.get("refused"))
+                   for t in study.get_trials(deepcopy=False))
         to_go = max(0, self.n_trials - done)
         log.info("study %r in %s: %d trial(s) done, %d to go (n_trials=%d); %s of %s, sampler %s, pruner %s",
                  self.study_name, self.storage, done, to_go, self.n_trials, self.direction, self.metric,
@@ -239,16 +265,25 @@ class StudySearch:
             for trial in trials:
                 overrides = [f"{name}={value_text(value)}" for name, value in trial.params.items()] + self.fixed
                 trial.set_user_attr("overrides", overrides)
+                trial.set_user_attr("command", command(overrides))  # with its launcher: its global batch
+                trial.set_user_attr("geometry", self.geometry)  # where it ran (the study's, unless allowed to change)
                 jobs.append(overrides + [f"hydra.sweeper.trial={trial.number}",
                                          f"hydra.sweeper.storage='{self.storage}'",
                                          f"hydra.sweeper.study_name='{self.study_name}'"])
             self.ranks.hand_out(jobs, trials[0].number)
+            self.ranks.in_jobs = True  # the other ranks run these jobs: however they end, they end alike there
             try:
                 returns = launcher.launch(jobs, initial_job_idx=trials[0].number)
-            except BaseException:  # a job that stopped the sweep (exit 2, a signal): its trials failed
+            except BaseException as err:  # a job that stopped the sweep (exit 2, a signal): its trials failed
+                refused = isinstance(err, SystemExit) and err.code == EXIT_CONFIG
                 for trial in trials:
+                    if refused:  # a refused setting: not a trial of the study (not counted when it goes on)
+                        trial.set_user_attr("refused", True)
                     study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                if refused and not told:
+                    self.forget_study()
                 raise
+            self.ranks.in_jobs = False
             for trial, ret in zip(trials, returns):
                 self.tell(study, trial, ret)
             to_go -= batch
@@ -264,13 +299,14 @@ class StudySearch:
         failed = [t.number for t in told if states[t.number].state == optuna.trial.TrialState.FAIL]
         if len(failed) / len(told) <= self.max_failure_rate:
             return
-        self.ranks.end()
+        self.ranks.stop(1)  # the other ranks stop with this one's status
         self.write_results(study)
         print(f"looplib: error: hydra.sweeper.max_failure_rate: {len(failed)} of the {len(told)} trials this sweep "
               f"ran failed ({len(failed) / len(told):.2g} > {self.max_failure_rate:g}), so it stopped; the study is "
               f"kept in {self.storage} (failed: {', '.join(str(self.sweep_dir / str(n)) for n in failed[:3])}"
               f"{', ...' if len(failed) > 3 else ''}): fix what they report, or raise "
               f"hydra.sweeper.max_failure_rate (1.0 never stops)", file=sys.stderr, flush=True)
+        rundir.write_exit_status(1)  # the sweep's status, not its last job's
         sys.exit(1)
 
     def tell(self, study: optuna.study.Study, trial: optuna.trial.Trial, ret) -> None:
@@ -304,49 +340,11 @@ class StudySearch:
         results = {"name": "optuna", "best_params": best.params, "best_value": best.value,
                    "best_trial": best.number, "metric": self.metric, "direction": self.direction,
                    "study_name": self.study_name, "storage": self.storage,
-                   "command": command(best.user_attrs.get("overrides", []))}
-        OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
+                   "geometry": study.user_attrs.get("looplib_geometry", self.geometry),
+                   "command": best.user_attrs.get("command") or command(best.user_attrs.get("overrides", []))}
+        import yaml
+        from looplib.atomic import write_atomic
+        # one line per value, however long (the command is pasted whole)
+        text = yaml.safe_dump(results, sort_keys=False, width=2**31 - 1, allow_unicode=True)
+        write_atomic(self.sweep_dir / "optimization_results.yaml", text)
         log.info("best trial %d: %s %.6g with %s", best.number, self.metric, best.value, best.params)
-
-
-class Ranks:
-    """The ranks of a sweep started by a launcher of several processes (torchrun): rank 0 hands each
-    batch of jobs to the others. One process: nothing to hand out."""
-
-    def __init__(self, config: DictConfig):
-        from looplib.engines import launch
-        world, _ = launch.launched_world()
-        self.launch, self.several = launch, world > 1
-        self.main = launch.launched_rank() == 0
-        if self.several:
-            from looplib.engines.local import resolve_device
-            device = launch.process_device(resolve_device(str(OmegaConf.select(config, "device", default="auto"))))
-            launch.init_process_group(device)  # the run's own: every trial's engine finds it started
-
-    def hand_out(self, jobs: list[list[str]] | None, first: int) -> None:
-        if self.several:
-            self.launch.broadcast_object((jobs, first))
-
-    def follow(self, launcher) -> None:
-        """Launch what rank 0 hands out, until it says the sweep is over."""
-        while True:
-            jobs, first = self.launch.broadcast_object(None)
-            if jobs is None:
-                return self.close()
-            launcher.launch(jobs, initial_job_idx=first)
-
-    def end(self) -> None:
-        """The sweep is over: the others told, then every rank's process group closed together
-        (rank 0 hosts the group's store: a rank still tearing down after it exits aborts)."""
-        self.hand_out(None, 0)
-        self.close()
-
-    def close(self) -> None:
-        if self.several:
-            self.launch.barrier()
-            self.launch.destroy_process_group()
-
-
-def command(overrides: list[str]) -> str:
-    """The command line that runs a trial again on its own."""
-    return " ".join(["python -m looplib.train", *(shlex.quote(o) for o in overrides)])

@@ -66,6 +66,9 @@ class OptunaSweeperConf:
     # first failure; a learning-rate search expects some trials to diverge)
     max_failure_rate: float = 1.0
     params: Optional[Dict[str, str]] = None  # the search space in YAML: {lr: "tag(log, interval(1e-4, 1e-2))"}
+    # a study continued on another process count or global batch is refused (its trials would be judged
+    # against trials of another global batch); true: continue it all the same
+    allow_geometry_change: bool = False
     trial: Optional[int] = None       # set by the sweeper for each job: the trial it runs (do not set)
 
 

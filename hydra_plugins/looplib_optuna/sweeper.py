@@ -20,10 +20,11 @@ class OptunaSweeper(Sweeper):
     def __init__(self, sampler: Any = None, direction: Optional[str] = None, storage: Optional[str] = None,
                  study_name: Optional[str] = None, n_trials: int = 20, n_jobs: int = 1, pruner: str = "median",
                  pruner_args: Any = None, params: Any = None, max_failure_rate: float = 1.0,
-                 trial: Optional[int] = None) -> None:
+                 allow_geometry_change: bool = False, trial: Optional[int] = None) -> None:
         self.settings = dict(sampler=sampler, direction=direction, storage=storage, study_name=study_name,
                              n_trials=n_trials, n_jobs=n_jobs, pruner=pruner, pruner_args=pruner_args,
-                             params=params, max_failure_rate=max_failure_rate)
+                             params=params, max_failure_rate=max_failure_rate,
+                             allow_geometry_change=allow_geometry_change)
         self.config: Optional[DictConfig] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:

@@ -85,7 +85,7 @@ def check_resume_target(config: DictConfig) -> None:
         before = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
     except (OSError, ValueError, TypeError):
         before = []
-    command = " ".join(["python -m looplib.train", *continued([*before, *task]), f"hydra.run.dir={run}"])
+    command = " ".join([launch.relaunch("looplib.train"), *continued([*before, *task]), f"hydra.run.dir={run}"])
     raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
                       f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
                       f"continue it with: {command}")

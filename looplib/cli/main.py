@@ -16,7 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ..engines.launch import launched_world
+from ..engines.launch import relaunch
 from ..errors import ConfigError, Interrupted, NothingToDo, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
@@ -78,9 +78,7 @@ def continue_command() -> str:
     """The command that continues this run, ready to paste but for its directory (appended): the
     job's own overrides, then resume=auto and hydra.run.dir=."""
     task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    world, who = launched_world()
-    start = ["python", "-m", "looplib.train"] if world <= 1 else [who, "...", "-m", "looplib.train"]
-    return " ".join([*start, *rundir.continued(task), "hydra.run.dir="])
+    return " ".join([relaunch("looplib.train"), *rundir.continued(task), "hydra.run.dir="])  # its launcher too
 
 
 def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:

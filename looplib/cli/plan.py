@@ -13,12 +13,19 @@ from ..plan.render import render
 def build_plan(cfg, world: int = 1, memory: int | None = None) -> Plan:
     """The plan of the job ``cfg`` describes (every key checked first; nothing built but on meta)."""
     from .instantiate import check_config, instantiate
+    from ..engines.local import Engine
     settings = check_config(cfg)
     parts = {name: instantiate(cfg, name) for name in ("precision", "optim", "checkpointing", "loss", "peft")}
     blocks = cfg.engine.get("blocks") if cfg.get("engine") is not None else None
-    return plan_job(settings, parts["precision"], parts["optim"], parts["checkpointing"], parts["loss"], parts["peft"],
+    # the engine as configured (on the CPU: only its kind matters here); the adapter refuses what it
+    # cannot run under it as the run would (QLoRA: DeepSpeed), and learns how the base is held
+    engine = instantiate(cfg, "engine", device="cpu") if cfg.get("engine") is not None else Engine("cpu")
+    parts["peft"].check(engine, parts["precision"])
+    plan = plan_job(settings, parts["precision"], parts["optim"], parts["checkpointing"], parts["loss"], parts["peft"],
                     lambda: instantiate(cfg, "model"), cfg.data.get("seq_len"),
                     list(blocks) if blocks else None, world, memory)
+    plan.engine = engine.label
+    return plan
 
 
 class OneLineParser(argparse.ArgumentParser):

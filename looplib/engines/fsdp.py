@@ -80,6 +80,7 @@ class FSDP(Distributed):
     """
 
     keeps_modules = False  # parameters become DTensor shards
+    shards_4bit = True     # a 4-bit base (+peft=qlora) too: its packed weights in a float dtype (looplib.peft.QLoRA)
 
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
     checkpoint_format = "dcp"
@@ -176,6 +177,8 @@ class FSDP(Distributed):
         return model
 
     def precision_for(self, precision):
+        if hasattr(precision, "sharded"):  # fp8: its weights may be gathered in fp8 (precision.fsdp_all_gather)
+            precision.sharded = True
         if hasattr(precision, "scaler_class"):  # fp16: inf/NaN agreed across ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
             precision.scaler_class = ShardedGradScaler

@@ -48,6 +48,32 @@ def launched_world() -> tuple[int, str]:
     return 1, ""
 
 
+def relaunch(module: str = "looplib.train") -> str:
+    """The start of a command that runs ``module`` on the processes this one was started with: a
+    command looplib prints (a sweep's best trial, tune's best, "Continue with") must train the same
+    global batch, so it names the launcher and its process counts. ``python -m MODULE`` for one
+    process; on several nodes it is the command for each node (add your rendezvous flags)."""
+    world, who = launched_world()
+    if world <= 1:
+        return f"python -m {module}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    if who == "the deepspeed launcher":
+        nodes = int(os.environ.get("CROSS_SIZE", "1"))
+        return f"deepspeed{f' --num_nodes {nodes}' if nodes > 1 else ''} --num_gpus {local} --module {module}"
+    if who == "SLURM":
+        return f"srun --ntasks {world} python -m {module}"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", max(1, world // max(1, local))))
+    if nodes * local != world:  # a launcher that says only WORLD_SIZE: torchrun's equivalent
+        nodes, local = 1, world
+    return f"torchrun{f' --nnodes {nodes}' if nodes > 1 else ''} --nproc_per_node {local} -m {module}"
+
+
+def launcher() -> str:
+    """``relaunch`` without its module: what a run's records call its launcher (``python`` for one process)."""
+    words = relaunch("MODULE")
+    return words.removesuffix(" -m MODULE").removesuffix(" --module MODULE")
+
+
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra's parser refuses;
     it sets LOCAL_RANK in the environment too, which is what looplib reads."""

@@ -55,8 +55,10 @@ class Engine:
     checkpoint_format = "looplib"
     several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
     # True: every rank holds the model's modules as they were built (local, DDP); False: the engine
-    # shards or re-types parameters (FSDP, DeepSpeed), which a 4-bit base (+peft=qlora) cannot take
+    # shards or re-types parameters (FSDP, DeepSpeed), which a 4-bit base (+peft=qlora) takes only
+    # where ``shards_4bit`` says so (FSDP: the packed weights stored in a float dtype)
     keeps_modules = True
+    shards_4bit = False
     per_process = ("rank", "world_size", "device")  # differ from rank to rank: never part of the saved config
 
     def __init__(self, device: str | torch.device = "auto"):

@@ -18,20 +18,29 @@ from pathlib import Path
 from torch import nn
 
 
-def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
-    """Model and optimizer into ``path`` with DCP (every rank calls it; each writes its shards)."""
-    import torch.distributed.checkpoint as dcp
+def sharded_state(model: nn.Module, optimizer) -> dict:
+    """What a sharded checkpoint holds: model and optimizer (this rank's DTensor shards, by qualified
+    name), and a 4-bit base's quantisation constants beside them (whole, written once)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from ..quantize import quant_constants
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    state = {"model": model_sd, "optimizer": optim_sd}
+    constants = quant_constants(model)
+    if constants:
+        state["quant_constants"] = constants
+    return state
+
+
+def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
+    """``sharded_state`` into ``path`` with DCP (every rank calls it; each writes its shards)."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=str(path))
 
 
 def stage_sharded(model: nn.Module, optimizer, stage) -> dict:
-    """This rank's shards of model and optimizer, copied off the device by ``stage``
-    (``checkpoint.async``; written later by ``write_staged``)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return stage({"model": model_sd, "optimizer": optim_sd})
+    """``sharded_state`` copied off the device by ``stage`` (``checkpoint.async``; written later by
+    ``write_staged``, as ``save_sharded`` writes it)."""
+    return stage(sharded_state(model, optimizer))
 
 
 def write_staged(staged: dict, path: Path, group) -> None:
@@ -45,13 +54,21 @@ def write_staged(staged: dict, path: Path, group) -> None:
 
 def load_sharded(model: nn.Module, optimizer, path: Path) -> None:
     """What ``save_sharded`` wrote, into ``model`` and ``optimizer`` as they are sharded now (FSDP2
-    on any number of processes) or whole (the local engine, DDP): DCP reads what each needs."""
+    on any number of processes) or whole (the local engine, DDP): DCP reads what each needs. A
+    4-bit base takes its quantisation constants from the checkpoint too, as its packed bytes: the
+    two always belong together, whatever base the run was built from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from ..quantize import quant_constants, restore_constants
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optimizer": optim_sd}
+    constants = quant_constants(model)
+    if constants:
+        loaded["quant_constants"] = constants
     dcp.load(loaded, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    if constants:
+        restore_constants(model, loaded["quant_constants"])
 
 
 def load_full(model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:

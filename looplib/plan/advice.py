@@ -27,6 +27,8 @@ def largest_micro_batch(budget: int, act: Activations, cap: int | None = None) -
 
 def recommendations(plan: Plan) -> list[str]:
     usable = int(plan.memory * USABLE)
+    if plan.four_bit and plan.engine == "fsdp":  # the 4-bit base sharded: per rank, not one device
+        return sharded_4bit_advice(plan, usable)
     target = plan.global_batch or (plan.micro_batch * plan.accum_steps if isinstance(plan.micro_batch, int) else None)
     out = []
     budget = usable - plan.static
@@ -76,10 +78,9 @@ def engine_choice(plan: Plan, usable: int) -> list[str]:
     if model_state + act <= usable:
         return [f"engine: the model state ({human(model_state)}) fits one device: +engine=ddp over "
                 f"{plan.world} rank(s) (every rank holds everything; one all-reduce per step)"] if plan.world > 1 else []
-    if plan.four_bit:  # FSDP and DeepSpeed refuse a 4-bit base: no sharding to recommend
-        return [f"the model state ({human(model_state)}) with its activations does not fit one device, and a "
-                "4-bit base (+peft=qlora) cannot be sharded (FSDP, DeepSpeed refuse it): a device with more "
-                "memory, a shorter sequence or a smaller base"]
+    if plan.four_bit:  # only FSDP shards a 4-bit base (DeepSpeed refuses it)
+        first, *rest = sharded_4bit_advice(plan, usable)
+        return [f"the model state ({human(model_state)}) with its activations does not fit one device: {first}", *rest]
     p, g, o = plan.zero_layout()
     head = f"the model state alone ({human(model_state)}) does not fit: "
     unit = f"(shards + the largest unit, {plan.fsdp_unit[0]}, gathered)"
@@ -93,3 +94,30 @@ def engine_choice(plan: Plan, usable: int) -> list[str]:
         if need + act <= usable:
             return [head + f"{what} over {plan.world} rank(s) needs {human(need)} per rank"]
     return [head + f"not even FSDP / ZeRO-3 with offload over {plan.world} rank(s) fits: use more ranks (--world-size)"]
+
+
+def sharded_4bit_advice(plan: Plan, usable: int) -> list[str]:
+    """A 4-bit base under FSDP2 (``Plan.fsdp_4bit``): whether it fits ``plan.world`` ranks as configured,
+    else what to turn on: an activation strategy that fits, else the fewest ranks that fit."""
+    world = plan.world
+    need = plan.fsdp_4bit(world)["peak"]
+    ranks = f"over {world} rank(s)" + (" (torchrun --nproc_per_node " + str(world) + ")" if world > 1 else "")
+    if need <= usable:
+        return [f"+engine=fsdp {ranks} shards the 4-bit base: {human(need)} per rank of {human(usable)} usable: fits"]
+    out = [f"+engine=fsdp {ranks}: {human(need)} per rank does NOT fit ({human(usable)} usable)"]
+    for name in ("selective", "blocks", "offload"):
+        use = plan.uses.get(name)
+        if use is None or name == plan.strategy:
+            continue
+        with_it = plan.fsdp_4bit(world, use)["peak"]
+        if with_it <= usable:
+            return out + [f"+checkpointing={name}: {human(with_it)} per rank: fits"]
+    best = min((plan.uses.get(n) or plan.activations for n in ("blocks", "offload", plan.strategy)),
+               key=lambda u: u.at(1))
+    for more in range(world + 1, 65):
+        if plan.fsdp_4bit(more, best)["peak"] <= usable:
+            turn_on = "" if best is plan.activations else \
+                f" with +checkpointing={next(n for n, u in plan.uses.items() if u is best)}"
+            return out + [f"--world-size {more} (torchrun --nproc_per_node {more}){turn_on}: "
+                          f"{human(plan.fsdp_4bit(more, best)['peak'])} per rank: fits"]
+    return out + ["not even 64 ranks fit it: a shorter sequence (model.seq_len), or a smaller base"]

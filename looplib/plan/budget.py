@@ -9,7 +9,7 @@ import torch
 
 from .. import optim as lo
 from .activations import Activations, ActivationUse, activation_uses, chosen_modules
-from .sharding import fsdp_per_rank, fsdp_units
+from .sharding import Sharded4bit, fsdp_per_rank, fsdp_units, sharded_4bit
 from .static import adam8bit_rule, autocast_copy_bytes, gradient_bytes, optimizer_state_bytes_of, unique_params, weight_bytes
 
 USABLE = 0.9  # share of device memory a plan may fill (CUDA context, allocator fragmentation)
@@ -42,12 +42,32 @@ class Plan:
     uses: dict[str, ActivationUse] = field(default_factory=dict)  # every strategy: none, blocks, selective, offload
     strategy: str = "none"                         # the configured one
     copies_freed: int = 0                          # 16-bit copies the configured strategy does not hold into backward
-    four_bit: bool = False                         # a 4-bit base (+peft=qlora): FSDP and DeepSpeed refuse it
+    four_bit: bool = False                         # a 4-bit base (+peft=qlora): FSDP shards it, DeepSpeed refuses it
+    sharded4: Sharded4bit | None = None            # its layout under FSDP2 (four_bit only)
+    engine: str = "local"                          # the configured engine (+engine=...)
 
     def fsdp(self, offload: bool = False) -> int:
         """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
         16-bit copies exist only for the gathered unit)."""
         return fsdp_per_rank(self.weights + self.gradients + self.optim_state, self.fsdp_unit[1], self.world, offload)
+
+    def fsdp_4bit(self, world: int | None = None, use: ActivationUse | None = None) -> dict[str, int]:
+        """Per rank under FSDP2 with the 4-bit base sharded (``Sharded4bit.per_rank``), the optimizer
+        state as the adapters' share, what is gathered at once (``Sharded4bit.gathered``), the
+        activations of ``use`` (default: the configured strategy) at the micro-batch, and the peak:
+        all of it at once, at the start of backward.
+        The 16-bit copies autocast makes are not counted: under FSDP's mixed precision the gathered
+        parameters are in the compute dtype already."""
+        world = world or self.world
+        out = self.sharded4.per_rank(world)
+        total = self.sharded4.per_rank(1)["adapters"]
+        out["optimizer"] = -(-self.optim_state * out["adapters"] // total) if total else 0
+        out["gathered"] = self.sharded4.gathered
+        mb = self.micro_batch if isinstance(self.micro_batch, int) else 1
+        out["activations"] = (use or self.activations).at(mb)
+        out["peak"] = sum(out[k] for k in ("packed", "constants", "frozen", "adapters", "gradients", "optimizer",
+                                           "gathered", "activations"))
+        return out
 
     @property
     def static(self) -> int:
@@ -119,6 +139,8 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
     plan.n_total = sum(p.numel() for p in unique_params(model))
     from ..quantize import is_4bit
     plan.four_bit = any(is_4bit(m) for m in model.modules())
+    if plan.four_bit:
+        plan.sharded4 = sharded_4bit(model, blocks or BLOCKS, dtype)
     plan.fsdp_unit = (name, count * (2 if dtype in (torch.bfloat16, torch.float16) else 4))
     if chosen and dtype is not None:
         plan.copies_freed = autocast_copy_bytes(model, dtype, chosen)

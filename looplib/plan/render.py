@@ -38,9 +38,8 @@ def render(plan: Plan) -> str:
             mark = " (configured)" if name == plan.strategy else ""
             lines.append(f"  {name + mark:<22}{human(use.device.at(mb)):>14} +{human(use.transient.at(mb)):>12}"
                          f"{human(use.host.at(mb)) + ' host' if use.host.at(mb) else '':>20}")
-    if plan.four_bit:  # the engines that shard would refuse the packed base: no table for them
-        lines.append("DeepSpeed ZeRO and FSDP2: not with a 4-bit base (+peft=qlora), which they cannot shard; "
-                     "the local engine or +engine=ddp (each rank holds the whole base)")
+    if plan.four_bit:  # FSDP2 shards the packed base; DeepSpeed would refuse it
+        lines += sharded_4bit_rows(plan, mb)
     else:
         p, g, o = plan.zero_layout()
         lines.append(f"DeepSpeed ZeRO model state per rank, {plan.world} rank(s) "
@@ -56,3 +55,23 @@ def render(plan: Plan) -> str:
     lines.append("recommendations:")
     lines += [f"  - {r}" for r in recommendations(plan)]
     return "\n".join(lines)
+
+
+def sharded_4bit_rows(plan: Plan, mb: int) -> list[str]:
+    """The 4-bit base under FSDP2, per rank (``Plan.fsdp_4bit``); DeepSpeed refuses it."""
+    world, r = plan.world, plan.fsdp_4bit()
+    usable = int(plan.memory * USABLE)
+    half = plan.precision in ("bf16", "fp16")
+    return [f"FSDP2 (+engine=fsdp) per rank, {world} rank(s), the 4-bit base sharded (DeepSpeed ZeRO: refused with "
+            "+peft=qlora):",
+            row(f"packed 4-bit weights (in {plan.precision if half else 'fp32'}) / {world}", r["packed"]),
+            row("quantisation constants (whole on every rank)", r["constants"]),
+            row(f"frozen embeddings, norms, head (in {plan.precision if half else 'fp32'}) / {world}", r["frozen"]),
+            row(f"adapters (fp32) / {world}", r["adapters"]),
+            row(f"adapter gradients / {world}", r["gradients"]),
+            row(f"optimizer state ({plan.optimizer}) / {world}", r["optimizer"]),
+            row("gathered at once: the root + 2 x the largest block", r["gathered"]),
+            row(f"activations at micro-batch {mb} ({plan.strategy if plan.checkpointing_on else 'none'})",
+                r["activations"]),
+            row(f"peak per rank: {'fits' if r['peak'] <= usable else 'does NOT fit'} in {human(usable)} usable",
+                r["peak"])]

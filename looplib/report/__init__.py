@@ -60,6 +60,7 @@ class Job:
     status: str = "ok"
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # loss / eval_loss against step
     memory: str | None = None  # what peak_mem_mb measures, from the job's first row
+    launch: tuple = ()         # (processes, launcher, global batch) from its first row (its latest run's)
 
 
 def read_overrides(path: Path) -> dict[str, str]:
@@ -120,6 +121,11 @@ def collect(sweep: Path) -> list[Job]:
             job.metrics = summarise(rows)
             job.curves = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in ("loss", "eval_loss")}
             job.memory = next((r["peak_mem_measures"] for r in rows if "peak_mem_measures" in r), None)
+            job.launch = next(((r["world_size"], r.get("launcher"), r.get("global_batch")) for r in reversed(rows)
+                               if "world_size" in r), ())
+            pruned = next((r["step"] for r in rows if r.get("pruned")), None)
+            if pruned is not None:  # stopped by the study's pruner (looplib.cli.sweep): not a finished job
+                job.status = f"pruned at step {pruned}"
         jobs.append(job)
     return jobs
 
@@ -142,17 +148,32 @@ def shown(jobs: list[Job]) -> list[tuple[str, str, str]]:
     return [m for m in METRICS if any(job.metrics.get(m[0]) is not None for job in jobs)] or METRICS
 
 
+def launches(jobs: list[Job]) -> set[tuple]:
+    """The (processes, launcher, global batch) the jobs recorded (none: written before looplib recorded it)."""
+    return {job.launch for job in jobs if job.launch}
+
+
+def launch_text(launch: tuple) -> str:
+    n, who, batch = launch
+    return f"{n} process{'es' if n != 1 else ''} ({who})" + (f", global batch {batch}" if batch is not None else "")
+
+
 def table(jobs: list[Job]) -> tuple[list[str], list[list[str]], list[list]]:
-    """Header, formatted cells (markdown), raw cells (CSV)."""
+    """Header, formatted cells (markdown), raw cells (CSV). Jobs run on different process counts or
+    global batches get a column for each: their figures are not of the same training."""
     varying, _ = split_overrides(jobs)
     columns = shown(jobs)
-    header = ["job", *varying, *(h for _, h, _ in columns), "status"]
+    geometry = len(launches(jobs)) > 1
+    header = ["job", *varying, *(["processes", "global batch"] if geometry else []), *(h for _, h, _ in columns),
+              "status"]
     cells, raw = [], []
     for job in jobs:
         values = [job.metrics.get(k) for k, _, _ in columns]
-        cells.append([job.name, *(job.overrides.get(k, "") for k in varying),
+        where = [job.launch[0], job.launch[2]] if job.launch else [None, None]
+        where = where if geometry else []
+        cells.append([job.name, *(job.overrides.get(k, "") for k in varying), *(fmt(v, "{}") for v in where),
                       *(fmt(v, p) for v, (_, _, p) in zip(values, columns)), job.status])
-        raw.append([job.name, *(job.overrides.get(k, "") for k in varying), *values, job.status])
+        raw.append([job.name, *(job.overrides.get(k, "") for k in varying), *where, *values, job.status])
     return header, cells, raw
 
 
@@ -162,6 +183,8 @@ def markdown(jobs: list[Job], sweep: Path) -> str:
     lines = [f"# Sweep report: {sweep}", ""]
     if common:
         lines += ["Every job: `" + " ".join(f"{k}={v}" for k, v in common.items()) + "`", ""]
+    if len(launches(jobs)) == 1:
+        lines += [f"Every job ran on {launch_text(next(iter(launches(jobs))))}.", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]

@@ -17,6 +17,16 @@ def fmt(value, pattern: str) -> str:
         return str(value)
 
 
+def where_run(geometry: dict | None) -> str:
+    """``; run on 2 processes (torchrun --nproc_per_node 2), global batch 8``: what the study's trials
+    were trained on (a study continues only on the same; recorded since looplib recorded it)."""
+    if not geometry:
+        return ""
+    n = geometry.get("world_size")
+    text = f"; run on {n} process{'es' if n != 1 else ''} ({geometry.get('launcher')})"
+    return text + (f", global batch {geometry['global_batch']}" if geometry.get("global_batch") is not None else "")
+
+
 def find_study(sweep: Path) -> tuple[str, str] | None:
     """(storage, study name) of a ``hydra/sweeper=optuna`` sweep directory, or None."""
     results = sweep / "optimization_results.yaml"
@@ -48,28 +58,33 @@ def study_section(sweep: Path, out: Path) -> tuple[str, dict[str, Path]]:
     about = study.user_attrs.get("looplib_sweep", {})
     metric = about.get("metric", "value")
     params = list(dict.fromkeys(p for t in trials for p in t.params))
+    where = {t.number: where_run(t.user_attrs.get("geometry")).removeprefix("; run on ") for t in trials}
+    mixed = len(set(where.values())) > 1  # hydra.sweeper.allow_geometry_change=true: said for each trial
     counts = Counter(t.state.name.lower() for t in trials)
     lines = ["", f"## Study `{name}`", "",
              f"{study.direction.name.lower()} {metric}; {len(trials)} trials: "
-             + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) + f" (storage {storage})", "",
-             "| trial | state | " + " | ".join([metric, *params, "seconds"]) + " |",
-             "|" + "|".join("---" for _ in range(len(params) + 4)) + "|"]
+             + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) + f" (storage {storage})"
+             + where_run(study.user_attrs.get("looplib_geometry")), "",
+             "| trial | state | " + " | ".join([metric, *params, *(["run on"] if mixed else []), "seconds"]) + " |",
+             "|" + "|".join("---" for _ in range(len(params) + 4 + mixed)) + "|"]
     for t in trials:
         value = t.value if t.value is not None else (t.intermediate_values[max(t.intermediate_values)]
                                                       if t.intermediate_values else None)
         seconds = t.duration.total_seconds() if t.duration else None
         state = t.state.name.lower() + (" (interrupted)" if t.user_attrs.get("interrupted") else "")
         lines.append("| " + " | ".join([str(t.number), state, fmt(value, "{:.6g}"),
-                                        *(fmt(t.params.get(p), "{:.4g}") for p in params), fmt(seconds, "{:.1f}")]) + " |")
+                                        *(fmt(t.params.get(p), "{:.4g}") for p in params),
+                                        *([where[t.number] or "-"] if mixed else []), fmt(seconds, "{:.1f}")]) + " |")
     lines.append("")
     lines.append(f"{metric} of a pruned trial: its last evaluation before it was stopped.")
     try:
         best = study.best_trial
     except ValueError:
         best = None
-    if best is not None:
+    if best is not None:  # the command the sweeper recorded names its launcher: the trial's global batch
         import shlex
-        cmd = " ".join(["python -m looplib.train", *(shlex.quote(o) for o in best.user_attrs.get("overrides", []))])
+        cmd = best.user_attrs.get("command") or " ".join(
+            ["python -m looplib.train", *(shlex.quote(o) for o in best.user_attrs.get("overrides", []))])
         lines += ["", f"Best: trial {best.number}, {metric} {best.value:.6g}. Run it again on its own with:", "",
                   f"    {cmd}"]
     plots: dict[str, Path] = {}

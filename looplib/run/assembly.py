@@ -133,6 +133,7 @@ def check(parts: Parts, settings: Settings) -> None:
     engine.check(settings, parts.precision, parts.optim)
     engine.check_evaluation(parts.evaluation)
     parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
+    parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
     parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
 
 

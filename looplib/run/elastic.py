@@ -126,9 +126,16 @@ def what_changed(saved: Geometry, now: Geometry) -> str:
     return (", ".join(head) + ": " if head else "") + ", ".join(tail)
 
 
-def check_engine(saved: Geometry, engine) -> None:
-    """A switch of engine the checkpoint's format allows, or a refusal (before any engine is set up)."""
+def check_engine(saved: Geometry, engine, config: dict | None = None) -> None:
+    """A switch of engine the checkpoint's format allows, or a refusal (before any engine is set up).
+    A 4-bit base (``+peft=qlora``, from the checkpoint's ``config``) is stored as its engine holds
+    it: packed into uint8 by the local engine and DDP, into FSDP's float shards: no switch between them."""
     fmt, label = engine.checkpoint_format, engine.label
+    if saved.format in TORCH_FORMATS and fmt in TORCH_FORMATS and saved.format != fmt and four_bit(config):
+        raise ConfigError("resume", f"the checkpoint holds a 4-bit base (+peft=qlora) as +engine={saved.engine} "
+                          f"packs it ({'float shards' if saved.format == 'dcp' else 'uint8, whole'}), which "
+                          f"+engine={label} cannot load", f"resume with +engine={saved.engine} (on any number of "
+                          "processes), or start a new run")
     if saved.format == fmt or (saved.format in TORCH_FORMATS and fmt in TORCH_FORMATS):
         return
     if saved.format == "deepspeed":
@@ -138,6 +145,17 @@ def check_engine(saved: Geometry, engine) -> None:
     raise ConfigError("resume", f"the checkpoint was written by +engine={saved.engine} (whole tensors or "
                       f"torch.distributed.checkpoint shards), which +engine={label} cannot load",
                       f"resume with +engine=ddp, +engine=fsdp or +engine=local, or start a new run")
+
+
+def four_bit(config: dict | None) -> bool:
+    """Whether a checkpoint's config trained LoRA on a 4-bit base (``looplib.peft.QLoRA`` or a subclass)."""
+    import pydoc
+    target = str(((config or {}).get("peft") or {}).get("_target_") or "")
+    if not target:
+        return False
+    from ..peft import QLoRA
+    cls = pydoc.locate(target)
+    return isinstance(cls, type) and issubclass(cls, QLoRA)
 
 
 def accept(saved: Geometry, now: Geometry, saved_cfg: dict, now_cfg: dict) -> None:

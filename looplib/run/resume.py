@@ -118,7 +118,7 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
     if path is None:
         return Resumed(None)
     saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
-    elastic.check_engine(saved, engine)
+    elastic.check_engine(saved, engine, checked["config"])
     if settings.batch_size != "auto":  # auto: chosen for this world in build, checked on load
         settings.batch_size, settings.accum_steps = elastic.split(saved, engine.world_size, settings.batch_size,
                                                                   settings.accum_steps)
@@ -155,7 +155,7 @@ def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[
     meta = json.loads((Path(path) / "meta.json").read_text())
     engine = checkpoints.engine
     before = elastic.saved_geometry(path, meta, saved, engine.world_size)
-    elastic.check_engine(before, engine)
+    elastic.check_engine(before, engine, saved)
     after = elastic.current(engine, now.get("batch_size", before.batch_size),
                             now.get("accum_steps", before.accum_steps))
     elastic.accept(before, after, saved, now)

@@ -15,12 +15,14 @@ from ..accumulation import Accumulation
 from ..atomic import write_atomic
 from ..data import Epochs, build_loader, held_out as held_out_batches, identity
 from ..data.loading import small_data
+from ..engines.launch import launcher
 from ..errors import EXIT_INTERRUPTED
 from ..loggers import JsonLines, Run, logged_steps
 from ..loop import fit
 from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
 from .assembly import Job, Record, Trained, refused
+from .checkpoint_dir import config_text
 from .plots import end_of_run_plot
 from .elastic import current
 from .resume import Resumed, resume
@@ -53,20 +55,23 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     with refused("schedule", job.record):
         scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, max_grad_norm = engine.prepare(job.model, optimizer, s)
+    optimizer = job.compile.wrap_optimizer(optimizer)  # compile.optimizer=true: its step compiled (the same object)
     saving = run_dir is not None and s.checkpoint.enabled  # checkpoint.enabled=false: none at all
     checkpoints = Checkpoints(run_dir / "checkpoints" if saving else None, s.checkpoint.every_steps, s.checkpoint.keep,
                               s.max_bad_steps, job.record.config if run_dir else None, engine.is_main, engine,
                               check_every=s.log_every, asynchronous=s.checkpoint.asynchronous)
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
-    checkpoints.geometry = current(engine, s.batch_size, s.accum_steps).as_dict()  # what a resume may change
+    geometry = current(engine, s.batch_size, s.accum_steps)
+    checkpoints.geometry = geometry.as_dict()  # what a resume may change
     checkpoints.identity = getattr(job.data, "fingerprint", lambda: None)()  # kept in every checkpoint, compared on resume
     checkpoints.files = identity.checkpoint_files(job.data, checkpoints.identity)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
         resume(checkpoints, state, s.resume, run_dir, s.max_steps, resumed)
     if engine.is_main and run_dir is not None:
-        write_atomic(run_dir / "config.yaml", job.record.text)
+        # what ran, and on how many processes by which launcher: a sweep's trials, a report, a study compare it
+        write_atomic(run_dir / "config.yaml", config_text({**job.record.config, "launch": launched(geometry)}))
         job.data.save(run_dir)  # e.g. labels.json
     telemetry = Telemetry(metrics, log_every=s.log_every, total_steps=s.max_steps, device=engine.device,
                           enabled=engine.is_main, progress=s.progress, **mfu_settings(job),
@@ -80,6 +85,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
     dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
     telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
+    telemetry.about.update({k: launched(geometry)[k] for k in ("launcher", "world_size", "global_batch")})
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
     log.info("training %s (%.2fM parameters) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
              "optimizer %s", type(engine.unwrap(job.model)).__name__,
@@ -132,6 +138,13 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     if run_dir is not None:
         log.info("done: %s", run_dir)
     return trained
+
+
+def launched(geometry) -> dict:
+    """The run's launch record (config.yaml's ``launch:``, the first metrics row): the launcher, the
+    process count and the global batch (``batch_size`` x ``accum_steps`` x processes)."""
+    return {"launcher": launcher(), "world_size": geometry.world_size, "batch_size": geometry.batch_size,
+            "accum_steps": geometry.accum_steps, "global_batch": geometry.global_batch}
 
 
 def held_out(job: Job) -> list:

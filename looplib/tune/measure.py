@@ -12,7 +12,8 @@ A stop asked for (a signal to the tuner: ``stop()`` returns its number) kills th
 candidate's whole process group at once and raises ``Interrupted``.
 
 Under torchrun every rank of the tuner starts its own child with the rank's identity and a
-fresh rendezvous port chosen by rank 0, and the ranks agree on the outcome (the worst status).
+fresh rendezvous port chosen by rank 0, and the ranks agree on the outcome (the worst status:
+``world.World``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ from typing import Callable
 from ..errors import EXIT_NUMERIC, Interrupted
 from .objective import Run, read_run
 
-SEVERITY = ["measured", "diverged", "oom", "error"]   # the ranks agree on the worst
 # a test hook: extra environment for chosen runs, {"CANDIDATE LABEL" or "LABEL#K" (its K-th timed run): {VAR: VALUE}}
 TEST_ENV = "LOOPLIB_TUNE_TEST_ENV"
 
@@ -164,48 +164,7 @@ def test_env(label: str, run: int) -> dict:
     return {**table.get(label, {}), **table.get(f"{label}#{run}", {})}
 
 
-class World:
-    """The tuner under torchrun: one child per rank, a fresh port per candidate, one outcome."""
-
-    def __init__(self):
-        import torch.distributed as dist
-        from ..engines.launch import init_process_group
-        import torch
-        init_process_group(torch.device("cpu"))  # gloo among the tuners; the children make their own group
-        self.dist, self.rank, self.size = dist, dist.get_rank(), dist.get_world_size()
-
-    def child_env(self) -> dict:
-        from ..engines.launch import free_port
-        port = [free_port() if self.rank == 0 else None]
-        self.dist.broadcast_object_list(port, src=0)
-        # the child's rank 0 hosts its own store on the fresh port (under torchrun the agent hosts
-        # the tuners' store, and torch would otherwise wait for an agent's store on that port)
-        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.size), "MASTER_PORT": str(port[0]),
-               "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        return env
-
-    def agree(self, outcome: Outcome) -> Outcome:
-        everyone = self.gather(outcome)
-        worst = max(everyone, key=lambda o: SEVERITY.index(o.status))
-        return everyone[0] if worst.status == "measured" else worst
-
-    def gather(self, obj) -> list:
-        everyone = [None] * self.size
-        self.dist.all_gather_object(everyone, obj)
-        return everyone
-
-    def broadcast(self, obj):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def close(self, together: bool = True) -> None:
-        """Leave the group; ``together`` (a search that ended normally on every rank): all ranks at
-        once, so that no rank's gloo threads outlive the store rank 0's exit takes down (that rank
-        aborted at exit now and then: "terminate called without an active exception")."""
-        if self.dist.is_initialized():
-            try:
-                if together:
-                    self.dist.barrier()
-            finally:
-                self.dist.destroy_process_group()
+def __getattr__(name: str):
+    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
+    from ..moved import attribute
+    return attribute(__name__, name)

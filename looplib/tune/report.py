@@ -74,9 +74,10 @@ def pays_off_text(steps: float | None) -> str:
     return "at once" if steps == 0 else f"after {steps:,.0f} steps"
 
 
-def command(job: list[str], overrides: list[str], launcher: str = "python") -> str:
-    """The command line a user pastes: ``python -m looplib.train`` (or torchrun's) with the overrides."""
-    return " ".join([launcher, "-m", "looplib.train", *map(shlex.quote, [*job, *overrides])])
+def command(job: list[str], overrides: list[str], start: str = "python -m looplib.train") -> str:
+    """The command line a user pastes: ``start`` (``python -m looplib.train``, or under torchrun
+    ``torchrun --nproc_per_node N -m looplib.train``: ``looplib.engines.launch.relaunch``) with the overrides."""
+    return " ".join([start, *map(shlex.quote, [*job, *overrides])])
 
 
 def write(run_dir: Path, result: dict) -> None:
@@ -115,7 +116,7 @@ def markdown(result: dict) -> str:
     base_mem = ref.get("peak_mem_mb")
     load = result.get("load") or {}
     lines = [f"# looplib.tune: {result['device']}", "",
-             f"The job: `{command(result['job'], [])}`", "",
+             f"The job: `{command(result['job'], [], result.get('train_with', 'python -m looplib.train'))}`", "",
              f"**Objective**: the seconds to finish this job ({result.get('objective', '?')}), predicted for each "
              "candidate from its own runs: startup + compile and warm-up + steps x step time + evaluations + "
              "checkpoint saves + the sample + the rest (export, exit). "
@@ -125,7 +126,19 @@ def markdown(result: dict) -> str:
              "its 95% interval (Welch's t on the runs' log times).",
              f"Memory: {result['memory']}. Peak memory measures {result.get('peak_mem_measures', 'the peak')}.",
              f"Machine load (1-minute load average) during the search: {load.get('min', '-')} to {load.get('max', '-')} "
-             f"on {load.get('cores', '-')} cores.", ""]
+             f"on {load.get('cores', '-')} cores" + (f"; each run used {load['threads']} thread(s), "
+                                                      f"{load.get('processes', 1)} process(es) on this host"
+                                                      if load.get("threads") else "") + "."]
+    if load.get("oversubscribed"):
+        lines += [f"**Oversubscribed** ({load['oversubscribed']}): the runs competed for cores, so every time here is "
+                  "slower and noisier than the job alone would run; OMP_NUM_THREADS to fit the cores, or a quieter "
+                  "machine, measures closer."]
+    cost = result.get("cost") or {}
+    if cost.get("job_s") and cost.get("search_s"):
+        lines += [f"The search took {cost['search_s']:,.0f} s, {cost['search_s'] / cost['job_s']:,.1f}x the job as given "
+                  f"(predicted {cost['job_s']:,.1f} s); it planned about {cost.get('runs_likely', '?')} runs of "
+                  f"{cost.get('run_s') or 0:,.1f} s."]
+    lines.append("")
     decision = result.get("decision") or {}
     if decision.get("why"):
         lines += [f"**Choice**: {decision.get('candidate', '-')}: {decision['why']}.", ""]

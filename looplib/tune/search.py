@@ -33,7 +33,6 @@ than ``tune.max_spread`` is measured again at once. The planner prunes before an
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,42 +41,15 @@ from typing import Callable
 from ..errors import Interrupted, signal_name
 from . import stats
 from .measure import Outcome, measure, test_env
-from .objective import JobPlan, breakdown, predict
+from .objective import JobPlan
 from .settings import Tune, key_of, without
 from .space import Candidate, Space
+from .verdict import MB, Row, Verdicts  # noqa: F401 - Row: what a search's readers take from here
 
-MB = 2**20
-GENERATION = ("precision", "engine")  # the dimensions that change how the end-of-run sample generates
-
-
-@dataclass
-class Row:
-    candidate: Candidate
-    overrides: list[str]
-    status: str = "planned"          # measured | pruned | oom | error | diverged | skipped | interrupted
-    reason: str = ""
-    planned_mem_mb: float | None = None
-    outcome: Outcome | None = None   # its first run (status, memory, loss)
-    runs: list[Outcome] = field(default_factory=list)   # every timed run
-    loss_delta: float | None = None
-    stage: str = ""
-    primed: Outcome | None = None    # the untimed run that filled the compile cache
-    set_aside: list[Outcome] = field(default_factory=list)   # noisy runs measured again (not counted)
-    noisy: bool = False              # a run and its repeat were both noisy (both count)
-    vs_reference: stats.Ratio | None = None
-    verdict: str = ""
-
-    @property
-    def measured(self) -> bool:
-        return self.status == "measured" and bool(self.runs)
-
-    @property
-    def speed(self) -> float:
-        return self.outcome.samples_per_s if self.measured and self.outcome else 0.0
 
 
 @dataclass
-class Search:
+class Search(Verdicts):
     space: Space
     job: list[str]                    # the job's overrides, without the measurement's keys
     tune: Tune
@@ -85,7 +57,7 @@ class Search:
     plan: Callable[[Candidate], int | None]   # planned bytes per rank (None: the planner cannot say)
     limit: int | None                 # bytes a candidate may plan (after the margin); None: no limit
     job_plan: JobPlan = field(default_factory=lambda: JobPlan(300))
-    world: object = None              # measure.World under torchrun
+    world: object = None              # world.World under torchrun
     limit_measured: bool = True       # the measured peak is held to the limit too (CUDA: allocated bytes,
                                       # comparable to the plan; the CPU's RSS also counts Python's own memory)
     progress: Callable[[Row, "Search"], None] = lambda row, search: None
@@ -100,6 +72,7 @@ class Search:
     why: str = ""
     too_noisy: list[str] = field(default_factory=list)
     runs_started: int = 0
+    cost: dict = field(default_factory=dict)   # what the search will cost against the job (said before it runs)
 
     # ---------------------------------------------------------------- one candidate
     def row(self, c: Candidate) -> Row | None:
@@ -188,6 +161,35 @@ class Search:
         self.primes.append({"candidate": c.label(), "status": outcome.status, "wall_s": round(outcome.wall_s, 1),
                             "what": "the token and file caches"})
 
+    def runs_planned(self) -> tuple[int, int]:
+        """(likely, at most) timed runs of the search: the micro-batches, checkpointing where it is
+        measured, each other option once, the leader confirmed, the finals' rounds; at most every
+        micro-batch with every checkpointing option, the winners together twice, every round."""
+        options, tune = self.space.options, self.tune
+        batch, ckpt = len(options.get("batch", [])) or 1, len(options.get("checkpointing", [])) or 1
+        others = sum(len(v) - 1 for k, v in options.items() if k not in ("batch", "checkpointing"))
+        confirm = 2 if others else 0
+        finals = (tune.finalists + 1) if tune.finalists else 0
+        likely = batch + ckpt - 1 + others + confirm + finals * tune.rounds
+        most = batch * ckpt + others + confirm + 2 + finals * tune.max_rounds
+        return likely, max(likely, most)
+
+    def say_cost(self, given: Row) -> None:
+        """What the search will cost against the job, once the job as given ran: its predicted time,
+        a run's wall time, the runs to come (also in tune.json's ``cost``)."""
+        likely, most = self.runs_planned()
+        run_s = sum(o.wall_s for o in given.runs) / len(given.runs) if given.measured else None
+        job_s = self.time(given) if given.measured else None
+        self.cost.update(runs_likely=likely, runs_most=most, run_s=run_s and round(run_s, 2),
+                         job_s=job_s and round(job_s, 2), budget_s=self.tune.budget_s)
+        if run_s is None:
+            return
+        search_s = min(likely * run_s, self.tune.budget_s)
+        self.cost["search_s_likely"] = round(search_s, 1)
+        self.note(f"the job as given is predicted to take {job_s:,.1f} s; a measuring run took {run_s:,.1f} s, so "
+                  f"the search's ~{likely} runs (at most {most}) should take ~{search_s:,.0f} s, "
+                  f"{search_s / job_s:,.1f}x the job itself (tune.budget_s={self.tune.budget_s:g} bounds it)")
+
     def compiles(self, c: Candidate) -> bool:
         option = c.get("compile")
         if option is not None:
@@ -232,64 +234,12 @@ class Search:
                           + (f"; the model's dropout {max(row.outcome.dropout, ref.outcome.dropout):g} draws other "
                              "masks here)" if not row.candidate.changes_numerics else ")"))
 
-    # ---------------------------------------------------------------- the objective
-    def sample_of(self, row: Row) -> float | None:
-        """The sample's seconds for ``row``'s candidate: measured in its own runs, or in a run of a
-        candidate that generates the same way (same precision and engine); None: not measured yet."""
-        if not self.job_plan.sample_tokens:
-            return 0.0
-        same = [r for r in self.rows if all(r.candidate.get(d) == row.candidate.get(d) for d in GENERATION)]
-        seconds = [o.timing.sample_s for r in same for o in r.runs if o.timing and o.timing.sample_s is not None]
-        return sum(seconds) / len(seconds) if seconds else None
-
-    def times(self, row: Row) -> list[float]:
-        """The job's predicted seconds, one per timed run of ``row``."""
-        sample = self.sample_of(row)
-        return [predict(o.timing, self.job_plan, sample) for o in row.runs if o.timing]
-
-    def time(self, row: Row | None) -> float:
-        """The job's predicted seconds (geometric mean over the runs; inf: not measured)."""
-        t = self.times(row) if row is not None and row.measured else []
-        return stats.geometric_mean(t) if t else math.inf
-
-    def time_of(self, c: Candidate) -> float:
-        return self.time(self.row(c))
-
-    def parts(self, row: Row) -> dict[str, float]:
-        """The predicted job time in parts (the mean over the runs)."""
-        sample = self.sample_of(row)
-        each = [breakdown(o.timing, self.job_plan, sample) for o in row.runs if o.timing]
-        return {k: sum(p[k] for p in each) / len(each) for k in each[0]} if each else {}
-
-    def step_s(self, row: Row) -> float | None:
-        steps = [s for o in row.runs if o.timing for s in o.timing.step_s]
-        return sum(steps) / len(steps) if steps else None
-
-    def pays_off_after(self, row: Row) -> float | None:
-        """The job length (steps) from which ``row`` finishes first against the timing reference:
-        its extra one-off seconds over the steady seconds per step it saves. 0: at once (it costs
-        no more); inf: never (its steps are not faster); None: not measured, or the reference."""
-        ref = self.timing_reference()
-        if ref is None or row is ref or not row.measured:
-            return None
-        t, t_ref = self.step_s(row), self.step_s(ref)
-        steps = self.job_plan.max_steps
-        fixed, fixed_ref = self.time(row) - steps * t, self.time(ref) - steps * t_ref
-        if t >= t_ref:
-            return math.inf
-        return max(fixed - fixed_ref, 0.0) / (t_ref - t)
-
-    def timing_reference(self) -> Row | None:
-        """What every job time is a multiple of: the job as given, or the loss reference."""
-        given = self.row(Candidate())
-        return given if given is not None and given.measured else (
-            self.reference if self.reference is not None and self.reference.measured else None)
-
     # ---------------------------------------------------------------- the stages
     def run(self) -> list[Row]:
         if self.tune.prime:
             self.prime_caches()
-        self.try_(Candidate(), "the job as given")
+        given = self.try_(Candidate(), "the job as given")
+        self.say_cost(given)
         self.batch_and_checkpointing()
         others = [d for d in self.space.options if d not in ("batch", "checkpointing")]
         base = (self.confirmed_leader() if others else self.leader()) or Candidate()
@@ -364,33 +314,7 @@ class Search:
             b = min(larger)
             self.try_(c.with_(batch=(b, self.space.per_rank // b)), "the winners together, larger")
 
-    def within_limit(self, row: Row) -> bool:
-        """The measured peak within the memory limit (when one is given)."""
-        peak = row.outcome.peak_mem_mb if row.outcome else None
-        return (self.limit is None or not self.limit_measured or peak is None
-                or peak * MB <= self.limit / (1 - self.tune.margin))
-
-    def eligible(self) -> list[Row]:
-        return [r for r in self.rows if r.measured and self.within_limit(r) and math.isfinite(self.time(r))]
-
-    def leader(self) -> Candidate | None:
-        """The measured candidate that finishes the job first by its runs so far (a simpler one
-        within ``tune.speed_margin`` of it instead): the search's base, and the best so far."""
-        ok = self.eligible()
-        if not ok:
-            return None
-        top = min(self.time(r) for r in ok)
-        ties = [r for r in ok if self.time(r) <= top * (1 + self.tune.speed_margin)]
-        return min(ties, key=lambda r: (complexity(r.candidate), self.time(r))).candidate
-
-    # ---------------------------------------------------------------- the finals and the choice
-    def finalists(self) -> list[Row]:
-        """The ``tune.finalists`` candidates that finished the job first in their runs so far."""
-        ref = self.timing_reference()
-        if ref is None:
-            return []
-        return sorted([r for r in self.eligible() if r is not ref], key=self.time)[:self.tune.finalists]
-
+    # ---------------------------------------------------------------- the finals
     def finals(self) -> None:
         """The leaders and the reference measured again, interleaved (the order reversed each
         round, so that a drift of the machine hits both sides alike), until each leader is decided
@@ -409,57 +333,6 @@ class Search:
             if self.rounds >= self.tune.rounds:  # beyond the rounds asked for: only the undecided that could win
                 leaders = [r for r in leaders if r.verdict == stats.NOISY and r.vs_reference.ratio < 1]
 
-    def judge(self) -> None:
-        """Each measured row's job time as a multiple of the reference's, with its interval and verdict."""
-        ref = self.timing_reference()
-        if ref is None:
-            return
-        ref_times = self.times(ref)
-        for row in self.rows:
-            if row.measured and row is not ref:
-                row.vs_reference = stats.ratio(self.times(row), ref_times)
-                row.verdict = row.vs_reference.verdict(self.tune.resolution)
-            elif row is ref:
-                row.vs_reference, row.verdict = None, "reference"
-
-    def decide(self) -> None:
-        """The choice: the fastest of the candidates called faster than the reference, or a simpler
-        one the same within noise as it; none faster: the reference (the job as given)."""
-        self.judge()
-        ref = self.timing_reference()
-        eligible = self.eligible()
-        if ref is None or ref not in eligible:
-            self.choice = None if not eligible else min(eligible, key=self.time)
-            self.why = ("the job as given did not run, or not within the memory limit: the candidate that finished "
-                        "first among those that did" if eligible else "")
-            return
-        faster = [r for r in eligible if r.verdict == stats.FASTER]
-        self.too_noisy = [r.candidate.label() for r in eligible if r.verdict == stats.NOISY
-                          and r.vs_reference.ratio < 1 and r in self.finalists_measured()]
-        if not faster:
-            self.choice = ref
-            self.why = ("no candidate finishes this job faster than the reference beyond the noise" +
-                        ("; the machine was too noisy to decide for " + ", ".join(self.too_noisy)
-                         if self.too_noisy else ""))
-            return
-        best = min(faster, key=self.time)
-        for simpler in sorted(faster, key=lambda r: (complexity(r.candidate), self.time(r))):
-            if complexity(simpler.candidate) >= complexity(best.candidate):
-                break
-            if stats.ratio(self.times(best), self.times(simpler)).verdict(self.tune.resolution) != stats.FASTER:
-                self.why = (f"faster than the reference; {best.candidate.label()} is not faster than it "
-                            "beyond the noise, and changes more")
-                self.choice = simpler
-                return
-        self.choice, self.why = best, "faster than the reference beyond the noise, and the fastest such"
-
-    def finalists_measured(self) -> list[Row]:
-        return [r for r in self.rows if len(r.runs) > 1]
-
-    def best(self) -> Candidate | None:
-        """The decided choice, or (before the decision, or after a stop) the leader so far."""
-        return self.choice.candidate if self.choice is not None else self.leader()
-
     def interrupt(self, signum: int | None) -> None:
         """A stop: the row being measured (and any planned) ends ``interrupted``."""
         for row in self.rows:
@@ -468,7 +341,3 @@ class Search:
                 row.reason = f"stopped by {signal_name(signum)} before its run finished"
         self.judge()
 
-
-def complexity(c: Candidate) -> int:
-    """How many things a candidate changes in the job."""
-    return len(c.choice) + bool(c.micro_batch)
