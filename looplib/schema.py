@@ -239,7 +239,9 @@ def parameters(target: Any) -> tuple[dict[str, Param], bool] | None:
     further keyword (``**kwargs``). None when its signature cannot be read."""
     if is_dataclass(target):
         hints = type_hints(target)
-        params = {f.name: Param(f.name, hints.get(f.name, Any), default_of(f), f.metadata.get("fix"))
+        # a field whose key is a Python keyword names its key in metadata (``checkpoint.async``)
+        params = {f.metadata.get("key", f.name): Param(f.metadata.get("key", f.name), hints.get(f.name, Any),
+                                                       default_of(f), f.metadata.get("fix"))
                   for f in fields(target) if f.init}
         return params, False
     try:

@@ -41,10 +41,15 @@
 #   memory_activations  GPT-2 small, bf16, batch 8: none, blocks, selective, offload (side-stream copies and
 #                  synchronous ones): memory and speed, each beside the planner's figures
 #   memory_tests   the GPU tests of issue 29 (offload on CUDA trains as none does, QLoRA quantises on the device)
-# and issue 36's (the bigger model, sharded; not in the default list, name it):
+# and issue 36's (the bigger model, sharded, and checkpoints in the background; not in the default list, name them):
 #   memory_qlora_fsdp  the memory_qlora job as it is and under +engine=fsdp as one process of torchrun (the 4-bit
 #                  base in FSDP2's float shards), side by side. target: the FSDP2 row's peak within 5% of the
 #                  plain row's and of its own per-rank plan (bench_fit.py; the table's last line is the ratio)
+#   checkpoint_stall  a ~1B GPT (fp32 weights and AdamW moments: ~13 GB per checkpoint), bf16 compute: the
+#                  training time lost to each checkpoint, synchronous against checkpoint.async (staged into
+#                  pinned host memory), interleaved in one run; first the GPU test of the pinned copy.
+#                  target: the asynchronous stall <= 0.2x the synchronous one (bench_checkpoint.py). Needs
+#                  ~30 GB of free disk under CKPT_DIR (default: RESULTS_DIR) and ~30 GB of host memory.
 # AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
@@ -155,9 +160,12 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
         --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
+    checkpoint_stall) part checkpoint_stall 900 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
+tests/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
+--dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
     *) echo "unknown part $p (choose from: $all speed peers speed_mfu speed_mfu2 speed_loss speed_guides \
 speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
-memory_qlora_fsdp)"; exit 2 ;;
+memory_qlora_fsdp checkpoint_stall)"; exit 2 ;;
     esac
 done
 echo "=== limits of the parts run: ${planned}s in all"

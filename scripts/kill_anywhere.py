@@ -1,11 +1,13 @@
 """Kill a training run with SIGKILL at random moments, resume it, and check the final weights.
 
     python scripts/kill_anywhere.py --trials 100 --parallel 2
+    python scripts/kill_anywhere.py --trials 20 --async     # checkpoints written in the background
 
 Each trial starts `python -m looplib.train` with a checkpoint after every optimizer step (so
 many kills land inside a checkpoint write), kills it at a random moment, then resumes it
 with `resume=auto` until it finishes; the final weights must equal those of a run that was
-never interrupted. tests/test_resume_cli.py runs 8 trials in CI.
+never interrupted. tests/test_resume_cli.py runs 8 trials in CI. With ``--async`` the interrupted
+runs write their checkpoints in the background (``checkpoint.async=true``; the reference does not).
 """
 from __future__ import annotations
 
@@ -45,13 +47,13 @@ def reference(root: Path) -> dict:
     return final_weights(run_dir)
 
 
-def trial(root: Path, seed: int, expected: dict) -> tuple[bool, str]:
+def trial(root: Path, seed: int, expected: dict, extra: tuple[str, ...] = ()) -> tuple[bool, str]:
     """One kill at a random moment of the training phase, then resume until done."""
     import torch
 
     rng = random.Random(seed)
     run_dir = root / f"trial-{seed}"
-    proc = train(run_dir, "resume=auto")
+    proc = train(run_dir, "resume=auto", *extra)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while not metrics.exists() and proc.poll() is None and time.time() < deadline:
@@ -62,7 +64,7 @@ def trial(root: Path, seed: int, expected: dict) -> tuple[bool, str]:
     proc.wait()
     steps_done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     for _ in range(3):  # resume (a resumed run is not killed again)
-        proc = train(run_dir, "resume=auto")
+        proc = train(run_dir, "resume=auto", *extra)
         _, err = proc.communicate()
         if proc.returncode == 0:
             break
@@ -75,13 +77,13 @@ def trial(root: Path, seed: int, expected: dict) -> tuple[bool, str]:
 
 
 def run_trials(n: int, parallel: int = 2, root: Path | None = None, seed: int = 0,
-               expected: dict | None = None) -> list[tuple[bool, str]]:
+               expected: dict | None = None, extra: tuple[str, ...] = ()) -> list[tuple[bool, str]]:
     """``n`` trials, ``parallel`` at a time; ``expected``: the uninterrupted run's final weights
-    (trained here when not given)."""
+    (trained here when not given); ``extra``: overrides of the interrupted runs only."""
     root = Path(root or tempfile.mkdtemp(prefix="kill-anywhere-"))
     expected = expected if expected is not None else reference(root)
     with ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(lambda i: trial(root, seed + i, expected), range(n)))
+        return list(pool.map(lambda i: trial(root, seed + i, expected, extra), range(n)))
 
 
 def main() -> int:
@@ -89,8 +91,11 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async", dest="background", action="store_true",
+                        help="the interrupted runs write their checkpoints in the background (checkpoint.async=true)")
     args = parser.parse_args()
-    results = run_trials(args.trials, args.parallel, seed=args.seed)
+    results = run_trials(args.trials, args.parallel, seed=args.seed,
+                         extra=("checkpoint.async=true",) if args.background else ())
     for _, line in results:
         print(line)
     passed = sum(ok for ok, _ in results)

@@ -37,3 +37,23 @@ def test_loss_benchmark_smoke(tmp_path):
     assert chunked["mem_x"] == chunked["peak_mb"] / plain["peak_mb"]
     table = (tmp_path / "loss_bench.md").read_text().splitlines()
     assert table[2].startswith("| loss | peak MB (above inputs) | memory x plain |") and len(table) >= 6
+
+
+def test_checkpoint_benchmark_tiny(tmp_path):
+    """scripts/bench_checkpoint.py --tiny: a synchronous and an asynchronous checkpoint, each in a
+    round after a plain one, and the table of their ratio (the figures: results/cpu-2026-11-27-checkpoint)."""
+    import os
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_checkpoint.py"), "--tiny", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert [row["kind"] for row in data["rounds"]] == ["plain", "sync", "plain", "async"]
+    s = data["summary"]
+    assert s["sync"]["checkpoints"] == s["async"]["checkpoints"] == 1 and s["async"]["write_s"] > 0
+    assert s["ratio"]["stall"] == s["async"]["stall_s"] / s["sync"]["stall_s"]
+    assert data["meta"]["checkpoint_mb"] > 0 and len(data["meta"]["load_before"]) == 3
+    assert data["meta"]["round_steps"] >= 2 and "--tiny" in data["meta"]["command"]
+    table = (tmp_path / "checkpoint.md").read_text().splitlines()
+    assert table[2].startswith("| checkpoint | checkpoints | stall s (median, range) | time lost s")
+    assert [line.split("|")[1].strip() for line in table[4:6]] == ["sync", "async"]
+    assert table[-1].startswith("Goal: asynchronous stall <= 0.2x the synchronous one: ")

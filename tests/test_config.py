@@ -106,22 +106,22 @@ def test_conf_config_yaml_and_train_model_take_their_defaults_from_one_source():
     value for every setting (seed 1337 both ways; train_model's was 0), and so does every
     keyword argument of train_model that is a command-line setting."""
     import inspect
-    from dataclasses import asdict, fields
+    from dataclasses import fields
 
     from omegaconf import OmegaConf
 
     from looplib import train_model
-    from looplib.run.settings import NOT_ARGUMENTS, Settings
+    from looplib.run.settings import NOT_ARGUMENTS, Settings, as_config
     conf = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    defaults = asdict(Settings())
+    defaults = as_config(Settings())
     assert {k: conf[k] for k in defaults} == defaults
     assert set(conf) - set(defaults) == {"defaults", "hydra"}  # every setting is a Settings field
     signature = inspect.signature(train_model).parameters
     shared = {f.name for f in fields(Settings)} - set(NOT_ARGUMENTS) - {"checkpoint", "loader", "sweep"}
     assert {k: signature[k].default for k in shared} == {k: defaults[k] for k in shared}
     assert shared | {"checkpoint_every", "keep", "loader"} <= set(signature)
-    assert (signature["checkpoint_every"].default, signature["keep"].default) == \
-        (defaults["checkpoint"]["every_steps"], defaults["checkpoint"]["keep"])
+    assert (signature["checkpoint_every"].default, signature["keep"].default, signature["checkpoint_async"].default) \
+        == (defaults["checkpoint"]["every_steps"], defaults["checkpoint"]["keep"], defaults["checkpoint"]["async"])
     assert signature["loader"].default is None  # None: loader's defaults (Settings.loader)
 
 

@@ -104,14 +104,16 @@ def test_one_process_without_a_launcher_is_a_world_of_one(tmp_path):
 
 
 def test_torchrun_resume_continues_exactly_on_any_number_of_processes_and_under_fsdp(tmp_path):
-    """A 2-rank DDP run checkpointed by rank 0 and resumed from step 2 with the same command: by
+    """A 2-rank DDP run checkpointed by rank 0 (in the background: checkpoint.async=true, while both
+    ranks train on) and resumed from step 2 with the same command: by
     both ranks (bitwise), by one process and by four (issue 27: the accumulation chosen so that
     the global batch of 2 x 4 x 2 = 16 stays, the micro-batch as typed), and under FSDP by two
     (looplib's whole tensors sharded on load): every later loss to 1e-5 relative, weights to 1e-5."""
     common = ["+engine=ddp", *QUICK, "batch_size=4", "checkpoint.every_steps=2", "sample_tokens=0"]
     full = tmp_path / "full"
-    r = torchrun(*common, f"hydra.run.dir={full}", cwd=tmp_path)
+    r = torchrun(*common, "checkpoint.async=true", f"hydra.run.dir={full}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.count("written in the background") == 2  # steps 2 and 4, by rank 0 only
     step2 = full / "checkpoints" / "step-00000002"
     resumed = tmp_path / "resumed"
     r = torchrun(*common, f"resume={step2}", f"hydra.run.dir={resumed}", cwd=tmp_path)

@@ -67,8 +67,10 @@ def losses(run_dir):
 
 
 def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
-    """SIGTERM to the whole job (as a scheduler sends it) under torchrun: a sharded checkpoint,
-    exit 75, resume=auto bitwise equal to the uninterrupted run. The same run's step-4
+    """SIGTERM to the whole job (as a scheduler sends it) under torchrun, its sharded checkpoints
+    written in the background (checkpoint.async=true: DCP on a process group of its own, rank 0's
+    manifest after every rank's shards): exit 75, resume=auto bitwise equal to the uninterrupted
+    (synchronous) run. The same run's step-4
     checkpoint, resumed with the same command by one process (the accumulation doubles: the same
     global batch) and under DDP by two, continues with the same losses and weights."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -84,7 +86,8 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "looplib.train", *FSDP, "batch_size=4", f"hydra.run.dir={run}"]
+           str(free_port()), "-m", "looplib.train", *FSDP, "batch_size=4", "checkpoint.async=true",
+           f"hydra.run.dir={run}"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics, deadline = run / "metrics.jsonl", time.time() + 300
@@ -94,9 +97,9 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
     out, err = proc.communicate(timeout=300)
     saved = [p for p in (run / "checkpoints").iterdir() if is_valid(p) is None]
     assert saved and not (run / "model.safetensors").exists(), err  # stopped before the end, with a checkpoint
-    r = torchrun(*FSDP, "batch_size=4", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    r = torchrun(*FSDP, "batch_size=4", "checkpoint.async=true", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "resumed from" in r.stdout
+    assert "resumed from" in r.stdout and "written in the background" in r.stdout
     a, b = load_file(ref / "model.safetensors"), load_file(run / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(run) == losses(ref)

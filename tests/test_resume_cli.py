@@ -15,6 +15,8 @@ from looplib.run.checkpoint_dir import is_valid
 from looplib.errors import EXIT_PREEMPTED
 
 from conftest import REPO, run_cli
+from looplib.run.background import HOLD
+from test_faults import start, wait_for
 
 spec = importlib.util.spec_from_file_location("kill_anywhere", REPO / "scripts" / "kill_anywhere.py")
 kill_anywhere = importlib.util.module_from_spec(spec)
@@ -59,6 +61,57 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path, reference):
     got = load_file(str(run_dir / "model.safetensors"))
     assert all(torch.equal(got[k], weights[k]) for k in weights)
     assert losses(run_dir) == ref_losses  # rows before the stop kept, rows after recomputed identically
+
+
+def test_async_checkpoints_sigterm_waits_for_the_write_and_resumes_exactly(tmp_path, reference):
+    """checkpoint.async=true, a checkpoint every step (a write is in flight at every moment): SIGTERM
+    waits for the write in flight, saves, exits 75; resume=auto continues bit for bit as the
+    uninterrupted (synchronous) run."""
+    weights, ref_losses = reference
+    run_dir = tmp_path / "run"
+    proc = start(*ARGS, "checkpoint.async=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    seen = wait_for(proc, "step 3/")
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == EXIT_PREEMPTED, out
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    stopped_at = int(newest.name.split("-")[1])
+    assert is_valid(newest) is None and 3 <= stopped_at < 16, out
+    assert out.index(f"checkpoint {newest} (") < out.index("preempted (SIGTERM)")  # written before the stop is said
+    r = run_cli(*ARGS, "checkpoint.async=true", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {newest} at step {stopped_at}" in r.stdout
+    got = load_file(str(run_dir / "model.safetensors"))
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    assert losses(run_dir) == ref_losses
+    end = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert end["checkpoints"] == 16 - stopped_at and end["checkpoint_write_s"] > 0 and end["checkpoint_s"] >= 0
+
+
+def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_whole(tmp_path, reference):
+    """The write of step 5 is held (LOOPLIB_TEST_HOLD_CHECKPOINT: after its files, before its
+    manifest) while training goes on; SIGKILL then. Step 4 is whole, step 5 never counted;
+    resume=auto takes step 4 and ends bit for bit as the uninterrupted run."""
+    weights, ref_losses = reference
+    run_dir = tmp_path / "run"
+    proc = start(*ARGS, "checkpoint.async=true", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                 env={HOLD: "5"})
+    wait_for(proc, "holding the checkpoint write of step 5 before its manifest")
+    proc.kill()
+    proc.communicate(timeout=120)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names[0].startswith(".tmp-step-00000005-") and names[1:] == ["step-00000003", "step-00000004"], names
+    assert (run_dir / "checkpoints" / names[0] / "model.safetensors").exists()  # killed mid-write
+    assert is_valid(run_dir / "checkpoints" / "step-00000004") is None
+    r = run_cli(*ARGS, "checkpoint.async=true", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000004'} at step 4" in r.stdout
+    got = load_file(str(run_dir / "model.safetensors"))
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    assert losses(run_dir) == ref_losses
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # cleared by the next save
 
 
 def test_kill_anywhere_8_trials(tmp_path, reference):

@@ -146,6 +146,11 @@ class DeepSpeed(Distributed):
                                   f"remove it and set {instead}")
 
     def check(self, settings, precision, optim=None) -> None:
+        if getattr(getattr(settings, "checkpoint", None), "asynchronous", False):
+            raise ConfigError("checkpoint.async", "+engine=deepspeed writes its ZeRO partitions itself, synchronously "
+                              "(looplib cannot stage them off the device to write in the background)",
+                              "drop checkpoint.async=true with +engine=deepspeed, or use +engine=fsdp for sharded "
+                              "checkpoints written in the background")
         if os.environ.setdefault("DS_ACCELERATOR", self.device.type) != self.device.type:
             raise ConfigError("device", f"device={self.device} but DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}",
                               "unset DS_ACCELERATOR or make it match device")

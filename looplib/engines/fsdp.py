@@ -44,7 +44,7 @@ from ..schema import Positive
 from . import launch
 from .distributed import Distributed, class_name
 from .local import Prepared
-from .state_dicts import load_full, load_sharded, save_sharded
+from .state_dicts import load_full, load_sharded, save_sharded, stage_sharded, write_staged
 
 log = logging.getLogger("looplib")
 
@@ -109,6 +109,7 @@ class FSDP(Distributed):
         self.reshard_after_forward, self.offload, self.reduce_dtype = reshard_after_forward, offload, reduce_dtype
         self.model = self.optimizer = self.precision = None  # what checkpoints save, once prepared
         self.mp_policy = None  # from the precision, in check (or setup)
+        self.writer_group = None  # checkpoint.async: DCP's collectives on a background thread (gloo)
 
     # ---------------------------------------------------------------- build time
 
@@ -219,10 +220,28 @@ class FSDP(Distributed):
         launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
         save_sharded(self.model, self.optimizer, path / "shards")
         if self.is_main:
-            client = {**(client_state or {}), "precision": self.precision.state_dict()}
-            with open(path / "client.pt", "wb") as f:
-                torch.save(client, f)
+            write_client(path, {**(client_state or {}), "precision": self.precision.state_dict()})
         launch.barrier()  # the manifest (rank 0, next) lists every rank's files
+
+    def stage_checkpoint(self, directory: str | Path, client_state: dict, tag: str, stage):
+        """``save_checkpoint`` in two halves (``checkpoint.async``): this rank's shards copied off
+        the device now; the returned function writes them with DCP on a process group of its own
+        (a background thread's collectives never mix with the loop's), and rank 0's ``client.pt``.
+        DCP returns on rank 0 only after every rank's shards and its metadata are written."""
+        path = Path(directory) / tag
+        launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
+        staged = stage_sharded(self.model, self.optimizer, stage)
+        client = {**client_state, "precision": stage(self.precision.state_dict())} if self.is_main else None
+        if self.writer_group is None:  # made once, by every rank at the same checkpoint
+            from datetime import timedelta
+            self.writer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        group = self.writer_group
+
+        def write() -> None:
+            write_staged(staged, path / "shards", group)
+            if client is not None:
+                write_client(path, client)
+        return write
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote, on this run's number of processes (DCP
@@ -237,3 +256,12 @@ class FSDP(Distributed):
     def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
         """A checkpoint of the local engine or DDP (whole tensors): every rank keeps its shards."""
         load_full(model, optimizer, weights, optimizer_state)
+
+
+def write_client(path: Path, client: dict) -> None:
+    """``client.pt``: looplib's step, schedule, RNG, data position and loss scale (rank 0)."""
+    import os
+    with open(path / "client.pt", "wb") as f:
+        torch.save(client, f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -132,6 +132,13 @@ class Engine:
         format (engines with ``own_checkpoints`` only; the others' are written by looplib)."""
         raise NotImplementedError(f"{type(self).__name__} does not write checkpoints of its own")
 
+    def stage_checkpoint(self, directory: str | Path, client_state: dict, tag: str, stage) -> Callable[[], None]:
+        """``save_checkpoint`` in two halves (``checkpoint.async``): copy this rank's part off the
+        device now with ``stage`` (a function of a tree of tensors), and return the function that
+        writes the copy (on a background thread; every rank's part is on disk when it returns on
+        rank 0). Engines with ``own_checkpoints`` only."""
+        raise NotImplementedError(f"{type(self).__name__} does not write checkpoints of its own")
+
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote; return the client state."""
         raise NotImplementedError(f"{type(self).__name__} does not read checkpoints of its own")
@@ -150,12 +157,16 @@ class Engine:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""
+        return self.any_ranks(flag)[0]
+
+    def any_ranks(self, *flags: bool) -> list[bool]:
+        """``any_rank`` of several flags in one all-reduce."""
         import torch.distributed as dist
         if self.world_size == 1 or not dist.is_initialized():
-            return flag
-        t = torch.tensor([float(flag)], device=self.device)
+            return [bool(f) for f in flags]
+        t = torch.tensor([float(f) for f in flags], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     @property
     def is_main(self) -> bool:

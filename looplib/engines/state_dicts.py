@@ -18,10 +18,9 @@ from pathlib import Path
 from torch import nn
 
 
-def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
-    """Model and optimizer into ``path`` with DCP (every rank calls it; each writes its shards); a
-    4-bit base's quantisation constants beside them (whole, written once)."""
-    import torch.distributed.checkpoint as dcp
+def sharded_state(model: nn.Module, optimizer) -> dict:
+    """What a sharded checkpoint holds: model and optimizer (this rank's DTensor shards, by qualified
+    name), and a 4-bit base's quantisation constants beside them (whole, written once)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from ..quantize import quant_constants
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -29,7 +28,28 @@ def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
     constants = quant_constants(model)
     if constants:
         state["quant_constants"] = constants
-    dcp.save(state, checkpoint_id=str(path))
+    return state
+
+
+def save_sharded(model: nn.Module, optimizer, path: Path) -> None:
+    """``sharded_state`` into ``path`` with DCP (every rank calls it; each writes its shards)."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=str(path))
+
+
+def stage_sharded(model: nn.Module, optimizer, stage) -> dict:
+    """``sharded_state`` copied off the device by ``stage`` (``checkpoint.async``; written later by
+    ``write_staged``, as ``save_sharded`` writes it)."""
+    return stage(sharded_state(model, optimizer))
+
+
+def write_staged(staged: dict, path: Path, group) -> None:
+    """What ``stage_sharded`` copied, into ``path`` as ``save_sharded`` writes it. On a background
+    thread, so DCP's collectives run on ``group``, a process group of their own (the loop's
+    collectives go on meanwhile on the default one); rank 0 returns once every rank's shards and
+    DCP's metadata are on disk."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(staged, checkpoint_id=str(path), process_group=group)
 
 
 def load_sharded(model: nn.Module, optimizer, path: Path) -> None:

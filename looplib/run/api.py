@@ -27,7 +27,6 @@ INFO lines to stderr is added). ``logger=`` takes the same trackers as ``+logger
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +50,8 @@ from .assembly import Parts, Record, Trained
 from .launcher import engine_for
 from .lifecycle import execute
 from .rundir import check as check_run_dir
-from .settings import NOT_ARGUMENTS, SAMPLE_TOKENS, Checkpoint, Default, Settings, refuse_renamed, settings_from
+from .settings import (NOT_ARGUMENTS, SAMPLE_TOKENS, Checkpoint, Default, Settings, as_config, refuse_renamed,
+                       settings_from)
 from .settings import Settings as S  # train_model's defaults are the command line's, from one source
 from .signals import Signals
 
@@ -79,6 +79,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
                 eval_samples: int | None = S.eval_samples, max_grad_norm: float | None = S.max_grad_norm,
                 device: str = S.device, seed: int = S.seed, run_dir: str | Path | None = None,
                 checkpoint_every: int | None = Checkpoint.every_steps, keep: int = Checkpoint.keep,
+                checkpoint_async: bool = Checkpoint.asynchronous,
                 resume: str | Path | None = S.resume, export: Literal["auto", "hf"] | None = "auto",
                 metrics: str | Path | None = None, log_every: int = S.log_every, max_bad_steps: int = S.max_bad_steps,
                 sample_tokens: int = SAMPLE_TOKENS, peak_tflops: float | None = S.peak_tflops,
@@ -89,6 +90,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
     ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
     DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``checkpoint_every``:
     steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
+    ``checkpoint_async``: written in the background while training goes on (``checkpoint.async=true``);
     ``sample_tokens``: left as it is, the command line's sample at the end where the data can
     encode a prompt (a ``Corpus``) and none otherwise. Every default is the command line's
     (``looplib.run.settings``: seed 1337, batch_size 32, ...). ``export``: ``auto`` writes what the CLI writes into the run directory (model.safetensors, hf/
@@ -108,7 +110,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
         eval_samples=eval_samples, sample_tokens=int(sample_tokens), max_bad_steps=max_bad_steps,
         resume=None if resume is None else str(resume), peak_tflops=peak_tflops, progress=progress,
         loader=dict(loader or {}),
-        checkpoint=dict(enabled=checkpoint_every is not None, every_steps=checkpoint_every or 0, keep=keep)))
+        checkpoint={"enabled": checkpoint_every is not None, "every_steps": checkpoint_every or 0, "keep": keep,
+                    "async": checkpoint_async}))
     if isinstance(dataset, Corpus):
         if eval_dataset is not None or collate_fn is not None:
             raise ConfigError("eval_dataset", "a Corpus brings its own held-out split and collate",
@@ -192,7 +195,7 @@ def option_class(group: str, option: str) -> str | None:
 def record(settings: Settings, parts: Parts, run_dir: str | Path | None) -> Record:
     """config.yaml of a Python run: the settings, and each part's class with its plain settings
     (a resumed run is refused if one of them changed, as on the command line)."""
-    config = {k: v for k, v in asdict(settings).items() if k not in NOT_ARGUMENTS}  # what ran, no unused key
+    config = {k: v for k, v in as_config(settings).items() if k not in NOT_ARGUMENTS}  # what ran, no unused key
     for row in groups():
         if row.stage != "trackers":
             config[row.name] = config_of(getattr(parts, row.part), plain=row.stage != "expensive")

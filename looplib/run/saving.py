@@ -7,6 +7,9 @@ A checkpoint is a directory ``checkpoints/step-00000120/`` of five files (what e
 accepts: ``looplib.run.resume``). It is written into a temporary directory beside its final place, each
 file flushed to disk, then renamed: a directory without a valid manifest is not a checkpoint,
 and the previous checkpoints are deleted only after the new one is complete.
+
+With ``checkpoint.async=true`` the same files are written by a thread from a copy of the state
+taken at the step boundary (``looplib.run.background``): the loop waits only for the copy.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from ..atomic import as_umask, fsync_dir, make_dir_beside, write_file
 from ..engines.local import Engine
 from ..errors import NumericError, SaveError
 from ..train_state import TrainState
+from .background import Background, Stager, hold_for_test
 from .checkpoint_dir import FORMAT, LOCAL_FILES, config_hash, config_text, rng_state, sha256, step_dirs, unwrap
 from .signals import Signals, held
 
@@ -37,7 +41,7 @@ class Checkpoints:
 
     def __init__(self, root: str | Path | None, every_steps: int = 0, keep: int = 2,
                  max_bad_steps: int = 0, config: dict | None = None, is_main: bool = True, engine: Engine | None = None,
-                 check_every: int = 1):
+                 check_every: int = 1, asynchronous: bool = False):
         self.root = Path(root) if root else None
         self.every, self.keep, self.max_bad = every_steps, keep, max_bad_steps
         self.check_every = max(1, check_every)
@@ -48,7 +52,10 @@ class Checkpoints:
         self.identity: dict | None = None   # the data's fingerprint (Corpus.fingerprint): compared on resume
         self.files: dict[str, bytes] = {}   # carried by every checkpoint (the tokenizer trained on the data)
         self.last_saved_step = -1
-        self.save_seconds: list[float] = []
+        self.save_seconds: list[float] = []  # the time each save held the loop up (the stall)
+        # checkpoint.async: the write in flight (None: every checkpoint is written before the loop goes on)
+        self.background = Background() if asynchronous and self.root is not None else None
+        self.stager: Stager | None = None  # made at the first asynchronous save
         self.geometry: dict = {}  # engine, processes, batch_size, accum_steps (looplib.run.elastic.Geometry)
 
     def bind(self, *, model, optimizer, scheduler, precision, epochs, preemption=None) -> "Checkpoints":
@@ -60,7 +67,13 @@ class Checkpoints:
     # ------------------------------------------------------------------ the loop's one call
     def after_step(self, state: TrainState) -> bool:
         """Apply the bad-step rule, save when due or preempted. True: stop the loop now."""
-        stop = self.preemption is not None and self.any_rank(self.preemption.requested)
+        requested = self.preemption is not None and self.preemption.requested
+        if self.background is not None:  # a failed background write is agreed with the stop, in one all-reduce
+            stop, failed = self.engine.any_ranks(requested, self.background.failed)
+            if failed:
+                self.settle()  # raises SaveError on every rank
+        else:
+            stop = self.preemption is not None and self.any_rank(requested)
         due = stop or bool(self.every and state.step % self.every == 0)
         # a streak counted on the device is read when saving and every check_every steps (the
         # logging steps, which sync anyway); one counted on the host, at every step
@@ -68,6 +81,8 @@ class Checkpoints:
             self.check_streak(state)
         if due and int(state.bad_streak) == 0:  # never replace a good checkpoint with a state after a bad step
             self.save(state)
+        if stop:
+            self.settle()  # a stop by signal waits for the write in flight
         state.preempted = stop
         return stop
 
@@ -80,12 +95,17 @@ class Checkpoints:
         else:
             log.warning("the last %d step(s) were skipped (non-finite): no final checkpoint, the newest "
                         "good one stays", int(state.bad_streak))
+        self.settle()  # the run ends with its last checkpoint complete
+        if self.stager is not None:  # the host copy is not needed any more (the export gathers next)
+            self.stager.close()
+            self.stager = None
 
     def check_streak(self, state: TrainState) -> None:
         if not self.max_bad:
             return
         longest = int(state.longest_streak)
         if longest >= self.max_bad:
+            self.drain()  # the write in flight holds a good state: let it complete
             raise NumericError(f"{longest} consecutive steps had non-finite loss or gradients "
                                f"(max_bad_steps={self.max_bad}); stopped at step {state.step}, the last "
                                "good checkpoint is untouched. Lower lr, use bf16 instead of fp16, or clip "
@@ -103,9 +123,12 @@ class Checkpoints:
     def save(self, state: TrainState) -> Path | None:
         """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here).
         The ranks then agree: none goes on (or reports the checkpoint) before the writers are
-        done, and every rank stops if a write failed."""
+        done, and every rank stops if a write failed. Asynchronous: the write in flight is
+        waited for first; this one is staged, and written in the background."""
         if self.root is None or state.step == self.last_saved_step:
             return None
+        t0 = time.perf_counter()
+        self.settle()  # at most one write in flight
         self.last_saved_step = state.step
         final, error = self.root / f"step-{state.step:08d}", None
         try:
@@ -113,9 +136,26 @@ class Checkpoints:
                 self._write(state, final)
         except Exception as err:  # noqa: BLE001 - a full disk, a vanished directory, ...
             error = err
-        if self.any_rank(error is not None):
-            raise SaveError(final, error)
+        if self.any_rank(error is not None):  # (a write this rank started is left to itself: under
+            raise SaveError(final, error)    # FSDP it would wait for the rank that failed)
+        if self.background is not None:
+            self.background.path = final  # every rank knows what is in flight (DDP: rank 0 writes it)
+        self.save_seconds.append(time.perf_counter() - t0)
         return final
+
+    def settle(self) -> None:
+        """Wait for the write in flight, if any; every rank agrees whether it failed (``SaveError``)."""
+        if self.background is None:
+            return
+        error = self.background.wait()
+        if self.any_rank(error is not None):
+            raise SaveError(self.background.path, error)
+
+    def drain(self) -> None:
+        """Wait for the write in flight without agreeing (the run is ending for another reason)."""
+        error = self.background.wait() if self.background is not None else None
+        if error is not None:
+            log.error("could not write the checkpoint %s (%s: %s)", self.background.path, type(error).__name__, error)
 
     def _write(self, state: TrainState, final: Path) -> None:
         t0 = time.perf_counter()
@@ -124,41 +164,78 @@ class Checkpoints:
         position = {"step": state.step, **epochs.position(), "bad_streak": int(state.bad_streak)}
         blob = {"format": FORMAT, "position": position, "scheduler": p["scheduler"].state_dict(),
                 "rng": rng_state(), "extra": state.extra}
+        stage = self._stage if self.background is not None else None
         if self.own_format:
             # The engine writes model, optimizer and loss scale in its own format, straight into
             # the final directory; the manifest written last still decides whether it counts.
             shutil.rmtree(final, ignore_errors=True)
-            self.engine.save_checkpoint(self.root, client_state=blob, tag=final.name)
+            if stage is None:
+                self.engine.save_checkpoint(self.root, client_state=blob, tag=final.name)
+                engine_write = None
+            else:  # staged here; its shards written by the thread, every rank's before rank 0's manifest
+                engine_write = self.engine.stage_checkpoint(self.root, client_state=stage(blob), tag=final.name,
+                                                            stage=stage)
+            tmp, model, needs = final, None, None  # needs: the files the engine wrote, listed once written
+        else:
+            tmp, needs = make_dir_beside(final, f".tmp-{final.name}-"), list(LOCAL_FILES)
+            model = unwrap(p["model"]).state_dict()
+            blob.update(optimizer=p["optimizer"].state_dict(), precision=p["precision"].state_dict())
+            if stage is not None:
+                try:
+                    model, blob = stage({"model": model, "blob": blob}).values()
+                except BaseException:  # host memory ran out for the copy: no temporary stays
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+
+        def write() -> None:
+            start = t0 if stage is None else time.perf_counter()  # asynchronous: the thread's own time
+            if self.own_format and stage is not None:
+                engine_write()
             if not self.is_main:
                 return
-            tmp = final
-            needs = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-        else:
-            tmp = make_dir_beside(final, f".tmp-{final.name}-")
-            needs = list(LOCAL_FILES)
-        try:
-            self._fill(tmp, final, blob, position, needs)
-        except BaseException:  # a full disk, a second Ctrl-C: no half-written directory stays
-            if tmp != final or not (final / "manifest.json").exists():  # never a complete one
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.save_seconds.append(time.perf_counter() - t0)
-        log.info("checkpoint %s (%.1f MB, %.2f s)", final,
-                 sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20, self.save_seconds[-1])
+            try:
+                self._fill(tmp, final, model, blob, position, needs)
+            except BaseException:  # a full disk, a second Ctrl-C: no half-written directory stays
+                if tmp != final or not (final / "manifest.json").exists():  # never a complete one
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            took = time.perf_counter() - start
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20
+            if stage is None:
+                log.info("checkpoint %s (%.1f MB, %.2f s)", final, size, took)
+            else:
+                log.info("checkpoint %s (%.1f MB, written in the background in %.2f s)", final, size, took)
 
-    def _fill(self, tmp: Path, final: Path, blob: dict, position: dict, needs: list[str]) -> None:
+        if stage is None:
+            write()
+        else:
+            self.background.start(final, write)
+
+    def _stage(self, tree):
+        """The state copied off the device (host memory the next step cannot change)."""
+        if self.stager is None:
+            self.stager = Stager(self.engine.device)
+        return self.stager(tree)
+
+    @property
+    def write_seconds(self) -> list[float]:
+        """Each background write's time (asynchronous checkpoints; empty otherwise)."""
+        return self.background.seconds if self.background is not None else []
+
+    def _fill(self, tmp: Path, final: Path, model: dict | None, blob: dict, position: dict,
+              needs: list[str] | None) -> None:
         if tmp != final:
-            p = self.parts
             from safetensors.torch import save_model
-            save_model(unwrap(p["model"]), str(tmp / "model.safetensors"))
+            save_model(_Weights(model), str(tmp / "model.safetensors"))  # tied weights stored once
             as_umask(tmp / "model.safetensors")  # safetensors writes 0600
             with open(tmp / "model.safetensors", "rb+") as f:
                 os.fsync(f.fileno())
-            blob.update(optimizer=p["optimizer"].state_dict(), precision=p["precision"].state_dict())
             with open(tmp / "state.pt", "wb") as f:
                 torch.save(blob, f)
                 f.flush()
                 os.fsync(f.fileno())
+        else:  # the engine's own files, as it wrote them
+            needs = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         for name, data in self.files.items():
             write_file(tmp / name, data)
         text = config_text(self.config or {})
@@ -169,6 +246,7 @@ class Checkpoints:
         if self.identity is not None:
             meta["identity"] = self.identity  # what the run was trained on (looplib.data.identity)
         write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        hold_for_test(position["step"])
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         write_file(tmp / "manifest.json", json.dumps({"files": files}, indent=1).encode())  # last
@@ -198,3 +276,14 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+class _Weights:
+    """A state dict (staged or live) in the shape safetensors' ``save_model`` takes: it calls
+    ``.state_dict()`` and stores tensors that share memory (tied weights) once, as for the module."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def state_dict(self) -> dict:
+        return self.weights

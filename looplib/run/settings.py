@@ -37,6 +37,9 @@ class Checkpoint:
     enabled: bool = True
     every_steps: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. checkpoint.every_steps=100 (0: only at the end)"})
     keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})
+    # the key is ``checkpoint.async`` (a Python keyword: the field is named otherwise, see ``config_key``)
+    asynchronous: bool = field(default=False, metadata={
+        "key": "async", "fix": "use checkpoint.async=true (written in the background) or false"})
 
 
 # the keys of metrics.jsonl a job can return to a sweeper (looplib.telemetry writes them)
@@ -133,6 +136,26 @@ def check_global_batch(s: Settings) -> None:
                           "use batch_size=auto to choose the micro-batch, or make them agree")
 
 
+def config_key(f) -> str:
+    """A field's key in the config: its name, or ``metadata["key"]`` where the key is a Python
+    keyword (``checkpoint.async``, the field ``asynchronous``)."""
+    return f.metadata.get("key", f.name)
+
+
+def section(cls: type, values: dict[str, Any]):
+    """A section of settings (``checkpoint``, ``loader``) from its config keys."""
+    names = {config_key(f): f.name for f in fields(cls)}
+    return cls(**{names.get(k, k): v for k, v in values.items()})
+
+
+def as_config(settings: Settings) -> dict[str, Any]:
+    """The settings as the config holds them: plain values under their config keys."""
+    def plain(obj):
+        return {config_key(f): plain(getattr(obj, f.name)) if is_dataclass(getattr(obj, f.name))
+                else getattr(obj, f.name) for f in fields(obj)}
+    return plain(settings)
+
+
 def settings_from(values: dict[str, Any]) -> Settings:
     """``Settings`` from plain values (the config's top level, or ``train_model``'s arguments),
     each checked against its annotation first: one line naming the key on a bad value."""
@@ -142,7 +165,7 @@ def settings_from(values: dict[str, Any]) -> Settings:
     chosen = {f.name: values.get(f.name, default_of(f)) for f in fields(Settings)}
     for name, value in chosen.items():
         if is_dataclass(hints[name]) and isinstance(value, dict):  # a section: loader, checkpoint, sweep
-            chosen[name] = hints[name](**value)
+            chosen[name] = section(hints[name], value)
     settings = Settings(**chosen)
     check_global_batch(settings)
     return settings

@@ -60,7 +60,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     saving = run_dir is not None and s.checkpoint.enabled  # checkpoint.enabled=false: none at all
     checkpoints = Checkpoints(run_dir / "checkpoints" if saving else None, s.checkpoint.every_steps, s.checkpoint.keep,
                               s.max_bad_steps, job.record.config if run_dir else None, engine.is_main, engine,
-                              check_every=s.log_every)
+                              check_every=s.log_every, asynchronous=s.checkpoint.asynchronous)
     checkpoints.bind(model=job.model, optimizer=optimizer, scheduler=scheduler,
                      precision=job.precision, epochs=epochs, preemption=signals)
     geometry = current(engine, s.batch_size, s.accum_steps)
@@ -113,9 +113,12 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                 loss = job.evaluation(job.model, eval_set, job.objective, job.precision, engine)
                 telemetry.eval(state.step, loss, seconds=time.perf_counter() - t0)
             checkpoints.finish(state)  # the bad-step rule once more, then the final checkpoint
-            # the run's one-off costs: compile_s (forward and backward, recompiles), checkpoint_s (every save)
+            # the run's one-off costs: compile_s (forward and backward, recompiles), checkpoint_s (the time
+            # every save held the loop up) and, with checkpoint.async, checkpoint_write_s (written meanwhile)
             saved = {"checkpoint_s": round(sum(checkpoints.save_seconds), 3),
                      "checkpoints": len(checkpoints.save_seconds)} if checkpoints.save_seconds else {}
+            if checkpoints.write_seconds:
+                saved["checkpoint_write_s"] = round(sum(checkpoints.write_seconds), 3)
             if job.compile.report() or saved:
                 telemetry.write({"step": state.step, **job.compile.report(), **saved})
             if run_dir is not None and export:  # model.safetensors, hf/ for a transformers model, or the adapter
