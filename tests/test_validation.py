@@ -181,12 +181,14 @@ def test_a_librarys_own_error_names_the_group():
 
 
 def test_python_and_yaml_defaults_agree():
+    from looplib.run.settings import as_config
     top = compose_with()
     assert (top.lr, top.weight_decay) == (lo.LR, lo.WEIGHT_DECAY)
     settings = Settings()
     for name in ("seed", "max_steps", "batch_size", "accum_steps", "lr", "weight_decay", "max_grad_norm"):
         assert getattr(settings, name) == top[name], name
-    assert vars(settings.loader) == dict(top.loader) and vars(settings.checkpoint) == dict(top.checkpoint)
+    config = as_config(settings)  # (checkpoint.async: the field asynchronous, under its config key)
+    assert config["loader"] == dict(top.loader) and config["checkpoint"] == dict(top.checkpoint)
     for path in sorted((CONF / "optim").glob("*.yaml")) + sorted((CONF / "schedule").glob("*.yaml")):
         node = OmegaConf.to_container(OmegaConf.load(path))
         params, _ = parameters(_locate(node["_target_"]))
