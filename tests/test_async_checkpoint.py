@@ -189,3 +189,30 @@ def test_checkpoint_async_is_a_checked_setting_and_deepspeed_refuses_it_in_one_l
     assert r.returncode == 2 and looplib_lines(r.stderr) == [r.stderr.strip()], r.stderr
     assert r.stderr.startswith("looplib: error: checkpoint.async: +engine=deepspeed writes its ZeRO partitions itself")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_crashes_lets_its_directory_go_only_once_the_write_in_flight_is_complete(tmp_path, gate):
+    """A step that raises while step 2's checkpoint is being written in the background: ``train_model``
+    raises only after that write is complete (its manifest written), so nothing of the run is still
+    being written once the directory is released to the next run."""
+    from conftest import random_tokens, tiny_gpt
+    from looplib import train_model
+
+    class Crash(TokenCrossEntropy):
+        calls = 0
+
+        def __call__(self, model, batch):
+            Crash.calls += 1
+            if Crash.calls == 3:  # step 3: the write of step 2 is still held at its first file
+                assert gate.reached.wait(60)
+                threading.Timer(0.5, gate.open.set).start()
+                raise RuntimeError("a step that crashes")
+            return super().__call__(model, batch)
+
+    gate.held.add("00000002")
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="a step that crashes"):
+        train_model(tiny_gpt(), random_tokens(), objective=Crash(), max_steps=4, batch_size=4, run_dir=run_dir,
+                    checkpoint_every=2, checkpoint_async=True, sample_tokens=0)
+    assert ("end", "00000002") in gate.log  # the write ended before train_model returned
+    assert is_valid(run_dir / "checkpoints" / "step-00000002") is None  # complete: manifest and all

@@ -84,11 +84,16 @@ class Background:
         """The write in flight has ended with an error (never blocks)."""
         return self.done.is_set() and self.error is not None
 
-    def wait(self) -> BaseException | None:
-        """Wait for the write in flight (if any); its error, or None."""
+    def wait(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the write in flight (if any; ``timeout``: at most so many seconds, after which it
+        is left to itself and said); its error, or None."""
         if self.thread is None:
             return None
-        self.thread.join()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("the checkpoint write of %s did not end within %.0f s; it is left unfinished (it does "
+                        "not count: resume=auto takes the last complete checkpoint)", self.path, timeout)
+            return None
         self.thread = None
         error, self.error = self.error, None
         return error

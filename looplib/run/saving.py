@@ -151,9 +151,10 @@ class Checkpoints:
         if self.any_rank(error is not None):
             raise SaveError(self.background.path, error)
 
-    def drain(self) -> None:
-        """Wait for the write in flight without agreeing (the run is ending for another reason)."""
-        error = self.background.wait() if self.background is not None else None
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the write in flight without agreeing (the run is ending for another reason; ``timeout``:
+        at most so many seconds, for a write that could wait on a rank that is gone)."""
+        error = self.background.wait(timeout) if self.background is not None else None
         if error is not None:
             log.error("could not write the checkpoint %s (%s: %s)", self.background.path, type(error).__name__, error)
 

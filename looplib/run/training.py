@@ -31,6 +31,7 @@ from .saving import Checkpoints
 from .signals import Signals
 
 log = logging.getLogger("looplib")
+DRAIN_S = 120.0  # how long a run that crashed waits for its checkpoint write in flight (checkpoint.async)
 
 
 def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metrics: Path | None = None,
@@ -124,6 +125,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
             if run_dir is not None and export:  # model.safetensors, hf/ for a transformers model, or the adapter
                 job.peft.save(job.model, run_dir, engine, job.data)  # every rank: ZeRO-3 and FSDP gather
             telemetry.finish("finished", artefacts(run_dir) if run_dir else ({"metrics": str(metrics)} if metrics else {}))
+        except BaseException:
+            checkpoints.drain(timeout=DRAIN_S)  # a write in flight ends before the run lets its directory go
+            raise
         finally:
             telemetry.close()  # trackers not finished above end as failed
         if engine.is_main and run_dir is not None:
