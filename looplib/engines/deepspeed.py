@@ -293,11 +293,13 @@ class DeepSpeed(Distributed):
                         tag: str | None = None) -> None:
         """DeepSpeed's own checkpoint (model, optimizer partitions, loss scaler) plus
         ``client_state`` (looplib's: step, schedule, RNG, data position) in ``directory/tag``.
-        Every rank calls it. Nothing of DeepSpeed's is left beside the step directories: no
-        ``latest`` (looplib's newest complete checkpoint is the one its manifest names) and none of
+        Every rank calls it. Nothing of DeepSpeed's is left beside looplib's step directories: no
+        ``latest`` where a ``tag`` is given (looplib's newest complete checkpoint is the one its manifest
+        names; without a tag, ``load_checkpoint`` finds the newest through it) and none of
         the recovery scripts (``zero_to_fp32.py``, ``zero_to_torch.py``) DeepSpeed copies there:
         ``looplib.generate`` and the exported weights are the way out of a ZeRO checkpoint."""
-        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {}, save_latest=False)
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {},
+                            save_latest=tag is None)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # rank 0 copies them while it saves
             (Path(directory) / script).unlink(missing_ok=True)
 
