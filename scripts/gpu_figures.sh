@@ -25,6 +25,11 @@
 #   memory_activations  GPT-2 small, bf16, batch 8: none, blocks, selective, offload (side-stream copies and
 #                  synchronous ones): memory and speed, each beside the planner's figures
 #   memory_tests   the GPU tests of issue 29 (offload on CUDA trains as none does, QLoRA quantises on the device)
+# and issue 35's (the time to a loss; not in the default list, name it):
+#   time_to_loss   GPT-2 small (sequence 512, batch 16, bf16) on a local Python corpus: steps and seconds to the
+#                  validation loss AdamW + cosine reaches at its last step, Muon + wsd beside it, each at the
+#                  better of two lrs (bench_time_to_loss.py; its --tiny runs this command line on a CPU in CI).
+#                  target: Muon + wsd <= 0.8x the steps and <= 0.85x the seconds
 # AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
@@ -108,7 +113,9 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
         --rows none,blocks,selective,offload,offload_sync --steps 20 --out "$results/memory_activations" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
+    time_to_loss) part time_to_loss 560 $py scripts/bench_time_to_loss.py --jobs gpt2 --recipes adamw+cosine,muon+wsd \
+        --lrs 1e-3,3e-3 --seeds 1 --eval-every 20 --threads 8 --out "$results/time_to_loss" ;;
     *) echo "unknown part $p (choose from: $all speed_mfu speed_mfu2 speed_loss speed_guides speed_overhead \
-speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests)"; exit 2 ;;
+speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests time_to_loss)"; exit 2 ;;
     esac
 done
