@@ -265,3 +265,18 @@ def test_a_muon_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path):
     c = load_file(two / "model.safetensors")
     for k in a:
         torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=0)
+
+
+def test_tune_searches_muon_with_numerics_allowed_and_checks_it_against_the_jobs_loss(tmp_path):
+    from looplib.tune.space import device_options
+    assert "muon" in device_options(torch.device("cpu"), 1, "looplib.loss.TokenCrossEntropy")["optim"]
+    from test_tune import BARE, TINY, tune
+    r, result = tune(tmp_path, "m", *TINY, "batch_size=4", "tune.search=[optim]", "tune.numerics=allow",
+                     "tune.options.optim=[muon]", *BARE, "tune.steps=1", "tune.repeats=1")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert result["dimensions"] == {"optim": ["adamw", "muon"]}
+    row = next(x for x in result["rows"] if x["candidate"] == "optim=muon")
+    assert row["overrides"] == ["+optim=muon"]
+    assert row["status"] in ("measured", "diverged") and row["loss_delta"] is not None  # its loss against the job's
+    r, _ = tune(tmp_path, "k", *TINY, "batch_size=4", "tune.search=[optim]", "tune.options.optim=[muon]")
+    assert r.returncode == 2 and "tune.options.optim: optim is searched only with tune.numerics=allow" in r.stderr
