@@ -71,9 +71,13 @@ FIXED = ["checkpoint.enabled=false", "sample_tokens=0", "progress=lines"]
 
 def subprocess_runner(args: list[str], run_dir: Path, env: dict) -> int:
     """``python -m looplib.train ARGS`` in a fresh process (the test substitutes a warm one)."""
-    with open(run_dir.with_suffix(".log"), "w") as log:
+    with open(log_of(run_dir), "w") as log:
         return subprocess.call([sys.executable, "-m", "looplib.train", *args], stdout=log, stderr=subprocess.STDOUT,
                                env=env)
+
+
+def log_of(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}.log"  # (with_suffix would cut lr0.004-seed0 at its dot)
 
 
 def curve(metrics: Path) -> dict:
@@ -127,7 +131,7 @@ class Bench:
         status = self.runner(args, run_dir, self.env)
         wall = time.perf_counter() - t0
         if status != 0:
-            raise SystemExit(f"[bench] {key} failed with status {status}: see {run_dir.with_suffix('.log')}")
+            raise SystemExit(f"[bench] {key} failed with status {status}: see {log_of(run_dir)}")
         result = {**curve(run_dir / "metrics.jsonl"), "wall_s": round(wall, 2), "load_before": round(load, 2),
                   "load_after": round(os.getloadavg()[0], 2), "args": args[:-1]}
         for heavy in run_dir.glob("*.safetensors"):

@@ -17,7 +17,7 @@ spec.loader.exec_module(bench)
 def warm(args, run_dir, env):
     """The benchmark's runner, in the tests' warm interpreter (tests/warm.py): seconds, not minutes."""
     r = run_cli(*args, cwd=run_dir.parent, env={"OMP_NUM_THREADS": env["OMP_NUM_THREADS"]})
-    run_dir.with_suffix(".log").write_text(r.stdout + r.stderr)
+    bench.log_of(run_dir).write_text(r.stdout + r.stderr)
     return r.returncode
 
 
