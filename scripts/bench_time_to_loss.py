@@ -204,7 +204,10 @@ def markdown(results: list[dict], args, started: str) -> str:
              "Target per seed: the eval loss AdamW + cosine reaches at its last step. Ratios: the recipe's "
              "steps (seconds) to the target over AdamW + cosine's, median over the seeds.", ""]
     for res in results:
-        lines += [f"## {res['job']}: `{' '.join(res['overrides']) or '(conf/config.yaml as it is)'}`", "",
+        job = " ".join(JOBS[res["job"]])
+        lines += [f"## {res['job']}: `python -m looplib.train {job}`" + (" (conf/config.yaml as it is)" if not job else ""),
+                  "", f"Every run adds `{' '.join(res['overrides'][len(JOBS[res['job']]):])}`, its recipe, `lr=` and "
+                  "`seed=`.", "",
                   f"Load average (1 min) around the runs: median {res['load']['median']:.1f} "
                   f"(min {res['load']['min']:.1f}, max {res['load']['max']:.1f}) on {os.cpu_count()} cores.", "",
                   "| recipe | lr (best of search) | reached | steps to target | x steps | seconds to target | x seconds "
@@ -234,7 +237,7 @@ def chart(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
-    colors = dict(zip(RECIPES, ("tab:blue", "tab:cyan", "tab:red", "tab:orange")))
+    colors = dict(zip(RECIPES, ("tab:blue", "tab:green", "tab:red", "tab:orange")))
     for row, res in zip(axes, results):
         target = median([x["target"] for x in next(iter(res["per_seed"].values()))])
         for r, runs in res["curves"].items():
