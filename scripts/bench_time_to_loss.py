@@ -147,11 +147,12 @@ class Bench:
     def bench_job(self, job: str) -> dict:
         recipes, seeds, fixed = self.args.recipes, list(range(self.args.seeds)), dict(self.args.lr)
         searched = [r for r in recipes if r not in fixed]
-        for lr in self.args.lrs:  # the search, seed 0: for each lr, every recipe
+        lrs = self.args.job_lrs.get(job, self.args.lrs)
+        for lr in lrs:  # the search, seed 0: for each lr, every recipe
             for recipe in searched:
                 self.run(job, recipe, lr, 0)
         search = {r: {f"{lr:g}": self.data["runs"][f"{job} {r} lr={lr:g} seed=0"]["eval_loss"][-1]
-                      for lr in self.args.lrs} for r in searched}
+                      for lr in lrs} for r in searched}
         best = {r: float(min(search[r], key=search[r].get)) for r in searched} | fixed
         for i, seed in enumerate(seeds):  # the seeds, interleaved, the order rotated
             order = recipes[i % len(recipes):] + recipes[:i % len(recipes)]
@@ -200,7 +201,7 @@ def markdown(results: list[dict], args, started: str) -> str:
     lines = [f"# Time to a loss: Muon and WSD against AdamW and cosine ({started})", "",
              f"    python scripts/bench_time_to_loss.py {' '.join(sys.argv[1:])}", "",
              f"Runs one at a time, OMP_NUM_THREADS={args.threads}, evaluated every {args.eval_every} steps; "
-             f"lr search over {', '.join(f'{lr:g}' for lr in args.lrs)} on seed 0; seeds 0-{args.seeds - 1}. "
+             f"lr search on seed 0 (each job's grid below); seeds 0-{args.seeds - 1}. "
              "Target per seed: the eval loss AdamW + cosine reaches at its last step. Ratios: the recipe's "
              "steps (seconds) to the target over AdamW + cosine's, median over the seeds.", ""]
     for res in results:
@@ -216,10 +217,11 @@ def markdown(results: list[dict], args, started: str) -> str:
             lines.append(f"| {r} | {s['lr']:g} | {s['reached']} | {fmt(s['steps'], '.0f')} | {fmt(s['steps_ratio'], '.2f')} "
                          f"| {fmt(s['seconds'], '.1f')} | {fmt(s['seconds_ratio'], '.2f')} | {fmt(s['step_time_s'], '.3f')} "
                          f"| {fmt(s['final_eval_loss'], '.4f')} |")
+        lrs = sorted({float(lr) for by_lr in res["search"].values() for lr in by_lr})
         lines += ["", "Search (final eval loss, seed 0):", "", "| recipe | " + " | ".join(
-            f"lr {lr:g}" for lr in args.lrs) + " |", "|---|" + "---|" * len(args.lrs)]
+            f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
         for r, by_lr in res["search"].items():
-            lines.append(f"| {r} | " + " | ".join(fmt(by_lr.get(f"{lr:g}"), ".4f") for lr in args.lrs) + " |")
+            lines.append(f"| {r} | " + " | ".join(fmt(by_lr.get(f"{lr:g}"), ".4f") for lr in lrs) + " |")
         lines += ["", "Per seed (steps / seconds to the target; target):", ""]
         for r, per in res["per_seed"].items():
             lines.append(f"- {r}: " + "; ".join(f"seed {x['seed']}: {fmt(x['steps'], '.0f')} / {fmt(x['seconds'], '.1f')} s "
@@ -264,7 +266,8 @@ def parse(argv=None):
     parser.add_argument("--work", default=None, help="the runs' directories (default: TMPDIR/looplib-time-to-loss/OUT's name)")
     parser.add_argument("--jobs", default="default,llama", help=f"of {', '.join(JOBS)}")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="the first is the baseline (the target's)")
-    parser.add_argument("--lrs", default="1e-3,2e-3,4e-3,8e-3", help="the search's learning rates")
+    parser.add_argument("--lrs", action="append", default=[],
+                        help="the search's learning rates (default 1e-3,2e-3,4e-3,8e-3); JOB=LRS: that job's own grid")
     parser.add_argument("--lr", action="append", default=[], help="RECIPE=LR: a fixed lr, no search")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -272,10 +275,12 @@ def parse(argv=None):
     parser.add_argument("--tiny", action="store_true", help="each job at a tiny size (CI): the code path, not a figure")
     args = parser.parse_args(argv)
     args.jobs, args.recipes = args.jobs.split(","), args.recipes.split(",")
-    args.lrs = [float(x) for x in args.lrs.split(",")]
+    grids = [x.split("=", 1) if "=" in x else (None, x) for x in args.lrs]
+    args.job_lrs = {job: [float(v) for v in lrs.split(",")] for job, lrs in grids if job is not None}
+    args.lrs = [float(v) for v in next((lrs for job, lrs in reversed(grids) if job is None), "1e-3,2e-3,4e-3,8e-3").split(",")]
     args.lr = [(k, float(v)) for k, v in (x.split("=", 1) for x in args.lr)]
     unknown = [x for x in [*args.recipes, *(k for k, _ in args.lr)] if x not in RECIPES] + \
-        [j for j in args.jobs if j not in JOBS]
+        [j for j in [*args.jobs, *args.job_lrs] if j not in JOBS]
     if unknown:
         parser.error(f"unknown recipe or job {unknown[0]!r} (recipes: {', '.join(RECIPES)}; jobs: {', '.join(JOBS)})")
     if args.tiny:
