@@ -65,6 +65,9 @@ class OptimizerFactory:
     def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY):
         self.lr, self.weight_decay = lr, weight_decay
 
+    def check(self, engine, peft) -> None:
+        """Build time, before the model exists: refuse an engine or adapter this optimizer cannot train."""
+
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         return self.create(param_groups(model, self.weight_decay))
 
@@ -196,6 +199,8 @@ def list_optimizers() -> list[str]:
 def built_class(factory: "OptimizerFactory") -> type:
     """The optimizer class a factory builds (engines check where it runs), found on a throwaway
     module without consuming randomness: the run's seeded initialisation stays as it was."""
+    if getattr(factory, "builds", None) is not None:  # it says (looplib.muon.Muon needs a model with blocks)
+        return factory.builds
     with torch.random.fork_rng(devices=[]):
         return type(factory.build(torch.nn.Linear(1, 1)))
 

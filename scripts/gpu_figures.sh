@@ -50,6 +50,11 @@
 #                  pinned host memory), interleaved in one run; first the GPU test of the pinned copy.
 #                  target: the asynchronous stall <= 0.2x the synchronous one (bench_checkpoint.py). Needs
 #                  ~30 GB of free disk under CKPT_DIR (default: RESULTS_DIR) and ~30 GB of host memory.
+# and issue 35's (the time to a loss; not in the default list, name it):
+#   time_to_loss   GPT-2 small (sequence 512, batch 16, bf16) on a local Python corpus: steps and seconds to the
+#                  validation loss AdamW + cosine reaches at its last step, Muon + wsd beside it, each at the
+#                  better of two lrs (bench_time_to_loss.py; its --tiny runs this command line on a CPU in CI).
+#                  target: Muon + wsd <= 0.8x the steps and <= 0.85x the seconds
 # AFTER_PART, if set, is run after each part (e.g. to copy the results off the machine).
 # Each part writes RESULTS_DIR/PART.log and its benchmark's md/json/png under RESULTS_DIR/PART/,
 # and runs under its own time limit (seconds, LIMIT_<PART> overrides), so one part that fails or
@@ -160,12 +165,14 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
         --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
         tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
-    checkpoint_stall) part checkpoint_stall 900 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
+    checkpoint_stall) part checkpoint_stall 560 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
 tests/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
+    time_to_loss) part time_to_loss 560 $py scripts/bench_time_to_loss.py --jobs gpt2 --recipes adamw+cosine,muon+wsd \
+        --lrs 1e-3,3e-3 --seeds 1 --eval-every 20 --threads 8 --out "$results/time_to_loss" ;;
     *) echo "unknown part $p (choose from: $all speed peers speed_mfu speed_mfu2 speed_loss speed_guides \
 speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
-memory_qlora_fsdp checkpoint_stall)"; exit 2 ;;
+memory_qlora_fsdp checkpoint_stall time_to_loss)"; exit 2 ;;
     esac
 done
 echo "=== limits of the parts run: ${planned}s in all"

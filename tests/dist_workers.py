@@ -73,11 +73,12 @@ def train(engine: Engine, model, optimizer, scheduler, precision, max_grad_norm,
     return state, telemetry
 
 
-def local_reference(steps: int = STEPS):
-    """One process, the whole global batch per step: the run every engine must reproduce."""
+def local_reference(steps: int = STEPS, factory=None):
+    """One process, the whole global batch per step: the run every engine must reproduce
+    (``factory``: the optimizer's, AdamW by default)."""
     engine = Engine("cpu")
     model = engine.setup(tiny_gpt())
-    optimizer = AdamW(lr=LR, weight_decay=0.1).build(model)
+    optimizer = (factory or AdamW(lr=LR, weight_decay=0.1)).build(model)
     scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
     _, telemetry = train(engine, model, optimizer, scheduler, FP32(), CLIP, Epochs(loader(0, 1)), steps)
     return telemetry.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -220,6 +221,38 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
                     "steps": telemetry.optimizer_steps, "export": load_file(export), "fp16": skipped},
                    Path(out) / "fsdp.pt")
     engine.close()
+
+
+def muon(**changes):
+    from looplib.muon import Muon
+    return Muon(**{"lr": LR, "weight_decay": 0.1, **changes})
+
+
+def muon_worker(rank: int, world: int, port: int, out: str) -> None:
+    """+optim=muon under DDP and under FSDP2 (Newton-Schulz on the gathered matrix), same data."""
+    from looplib.engines.fsdp import FSDP
+    set_env(rank, world, port)
+    result = {}
+    runs = [("ddp fp32", lambda: DDP("cpu", bucket_cap_mb=100), "fp32"), ("fsdp fp32", lambda: FSDP("cpu"), "fp32"),
+            ("fsdp bf16", lambda: FSDP("cpu"), "bf16")]
+    for name, make, dtype in runs:
+        engine = make()
+        precision = engine.precision_for(FP32())
+        engine.check(settings(world), precision, muon(ns_dtype=dtype))
+        model = engine.setup(tiny_gpt())
+        optimizer = muon(ns_dtype=dtype).build(model)
+        scheduler = WarmupCosine(2, 0.1).build(optimizer, STEPS + MORE)
+        p = engine.prepare(model, optimizer, settings(world))
+        _, telemetry = train(engine, p.model, p.optimizer, scheduler, precision, p.max_grad_norm,
+                             Epochs(loader(rank, world)), STEPS)
+        weights = engine.full_weights(p.model) if name.startswith("fsdp") else \
+            {k: v.detach().clone() for k, v in engine.unwrap(p.model).state_dict().items()}
+        result[name] = {"losses": telemetry.losses, "weights": weights,
+                        "muon": [n for n, q in engine.unwrap(p.model).named_parameters()
+                                 if any(q is m for m in p.optimizer.param_groups[0]["params"])]}
+    engine.close()
+    if rank == 0:
+        torch.save(result, Path(out) / "muon.pt")
 
 
 def fp16_overflow_on_one_rank(rank: int) -> dict:

@@ -133,6 +133,7 @@ class StudySearch:
                    "use e.g. hydra.sweeper.max_failure_rate=0.5 (1.0: never stop)")
         self.max_failure_rate = float(max_failure_rate)
         self.space, self.fixed = self.search_space(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()])
+        self.given = self.conditional_ranges()  # key -> (the choice it follows, {option: distribution})
         self.sampler_node = OmegaConf.to_container(sampler, resolve=True) if sampler is not None else {
             "_target_": "optuna.samplers.TPESampler"}
         self.sampler = self.make_sampler(0)
@@ -169,6 +170,40 @@ class StudySearch:
                    "give one, e.g. 'lr=tag(log, interval(1e-4, 1e-2))' or '+precision=choice(fp32,bf16)'")
         return space, fixed
 
+    def conditional_ranges(self) -> dict[str, tuple[str, dict]]:
+        """``KEY@OPTION=RANGE``: KEY's range in the trials where a ``choice`` parameter took OPTION
+        (``lr@muon=tag(log, interval(1e-3, 3e-2))`` beside ``+optim=choice(adamw,muon)``); a plain
+        ``KEY=RANGE`` beside them is KEY's range for the other options. Each is its own Optuna
+        parameter (``lr@muon``), suggested once the choice is known; the job gets ``KEY=value``."""
+        by_key: dict[str, dict] = {}
+        for name in [n for n in self.space if "@" in n]:
+            key, option = name.split("@", 1)
+            by_key.setdefault(key, {})[option] = self.space.pop(name)
+        given = {}
+        for key, ranges in by_key.items():
+            options = set(ranges)
+            owners = [n for n, d in self.space.items() if isinstance(d, optuna.distributions.CategoricalDistribution)
+                      and options <= set(map(str, d.choices))]
+            if len(owners) != 1:
+                what = "no choice(...) parameter has" if not owners else f"{', '.join(owners)} all have"
+                refuse(f"{key}@{sorted(options)[0]}", f"{what} the option(s) {', '.join(sorted(options))}",
+                       f"add the choice it follows, e.g. '+optim=choice({','.join(sorted(options))})'")
+            if key in self.space:  # the range of every other option
+                ranges[""] = self.space.pop(key)
+            given[key] = (owners[0], ranges)
+        return given
+
+    def suggest(self, trial: optuna.trial.Trial) -> dict:
+        """The trial's values: the fixed space (asked), then each per-option range its choice selects."""
+        values = dict(trial.params)
+        for key, (owner, ranges) in self.given.items():
+            option = str(values[owner])
+            dist = ranges.get(option, ranges.get(""))
+            if dist is not None:
+                name = f"{key}@{option}" if option in ranges else key
+                values[name] = trial._suggest(name, dist)
+        return values
+
     def make_sampler(self, trials_before: int) -> optuna.samplers.BaseSampler:
         """The sampler; a seeded one continuing a study is seeded ``seed + trials_before``, so that
         it does not suggest again what the first run's startup trials tried."""
@@ -177,6 +212,9 @@ class StudySearch:
         if node.get("seed") is not None:
             node["seed"] += trials_before
         if target == "optuna.samplers.GridSampler":
+            if self.given:
+                refuse(f"{next(iter(self.given))}@...", "hydra/sweeper/sampler=grid searches one fixed grid, not a "
+                       "range per option", "use the tpe or random sampler, or one range for every option")
             grid = {name: grid_points(name, dist) for name, dist in self.space.items()}
             self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
             return optuna.samplers.GridSampler(grid, **node)
@@ -263,7 +301,8 @@ class StudySearch:
             trials = [study.ask(self.space) for _ in range(batch)]
             jobs = []
             for trial in trials:
-                overrides = [f"{name}={value_text(value)}" for name, value in trial.params.items()] + self.fixed
+                values = self.suggest(trial)
+                overrides = [f"{name.split('@')[0]}={value_text(value)}" for name, value in values.items()] + self.fixed
                 trial.set_user_attr("overrides", overrides)
                 trial.set_user_attr("command", command(overrides))  # with its launcher: its global batch
                 trial.set_user_attr("geometry", self.geometry)  # where it ran (the study's, unless allowed to change)

@@ -40,7 +40,8 @@ from ..errors import ConfigError, need
 from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory, built_class
 from ..precision import Precision
 from ..schema import Beta, NonNegative, Positive
-from . import launch
+from ..muon import MuonAdamW
+from . import deepspeed_muon, launch
 from .deepspeed_adapters import DeepSpeedPrecision, StepHooks
 from .deepspeed_universal import fix_universal_groups, universal
 from .distributed import Distributed, class_name
@@ -122,6 +123,7 @@ class DeepSpeed(Distributed):
         self.derived: dict = {}
         self._universal = False   # resume through a universal checkpoint (another number of processes)
         self._scratch = None      # where it is made (resuming)
+        self.muon = False         # +optim=muon: DeepSpeed's own Muon (deepspeed_muon)
 
     # ---------------------------------------------------------------- build-time checks
 
@@ -174,7 +176,9 @@ class DeepSpeed(Distributed):
         if "fp16" in enabled and not accelerator.is_fp16_supported():
             raise ConfigError("precision", f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16",
                               "use +precision=bf16 or +precision=fp32")
-        if optim is not None:  # a factory: the class it builds says where it runs
+        if getattr(optim, "gathers_matrices", False):  # +optim=muon: DeepSpeed's own Muon (deepspeed_muon)
+            deepspeed_muon.check(optim, self, settings)
+        elif optim is not None:  # a factory: the class it builds says where it runs
             built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(built_class(optim))
             self._check_optimizer(built)
 
@@ -261,8 +265,17 @@ class DeepSpeed(Distributed):
             self.check(settings, self.chosen, None)
             self._check_optimizer(class_name(type(optimizer)))
         config = self.derive(settings, self.chosen, self.world_size)
+        self.muon = isinstance(optimizer, MuonAdamW)  # DeepSpeed builds its own Muon from looplib's groups
+        given = {"optimizer": optimizer}
+        if self.muon:
+            config["optimizer"], groups = deepspeed_muon.prepare(model, optimizer)
+            if self.stage == 3:  # ZeRO-3's Muon orthogonalises whole matrices: all-reduce, not reduce-scatter
+                config["zero_optimization"]["reduce_scatter"] = False
+            given = {"model_parameters": groups}
         log.info("DeepSpeed config derived from looplib's settings:\n%s", json.dumps(config, indent=2))
-        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.ds, built, _, _ = deepspeed.initialize(model=model, config=config, **given)
+        if self.muon:
+            deepspeed_muon.adopt(optimizer, built)
         self.steps = StepHooks(optimizer)
         return Prepared(self.ds, self.steps, None)
 
@@ -314,6 +327,11 @@ class DeepSpeed(Distributed):
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state.
         Saved by another number of processes: through a universal checkpoint made from it first."""
+        if self._universal and self.muon:
+            raise ConfigError("resume", "a DeepSpeed checkpoint of +optim=muon cannot move to another number of "
+                              "processes: DeepSpeed 0.19.8's universal checkpoint (ds_to_universal) looks for Adam's "
+                              "exp_avg and fails on Muon's state", "resume on the number of processes that saved it, "
+                              "or train with +engine=fsdp or ddp (their checkpoints load on any number)")
         if self._universal:
             optimizer = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # the torch optimizer ZeRO steps
             built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -325,6 +343,8 @@ class DeepSpeed(Distributed):
             path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
+        if self.muon:  # the load replaced DeepSpeed's param groups: the schedule must set the new ones
+            deepspeed_muon.adopt(self.steps.optimizer, self.ds.optimizer)
         return client_state
 
 

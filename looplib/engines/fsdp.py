@@ -122,6 +122,10 @@ class FSDP(Distributed):
             return
         cls = "deepspeed.ops.adam.DeepSpeedCPUAdam" if type(optim).__name__ == "CPUAdam" \
             else class_name(built_class(optim))
+        if self.offload == "cpu" and getattr(optim, "gathers_matrices", False):
+            raise ConfigError("engine.offload", "+optim=muon gathers each matrix's update across ranks for "
+                              "Newton-Schulz, which the device's collectives cannot do for shards offloaded to "
+                              "host memory", "use engine.offload=none with +optim=muon, or +optim=adamw")
         for prefix, (why, fix) in REFUSED_OPTIMIZERS.items():
             if cls == prefix or cls.startswith(prefix + "."):
                 raise ConfigError("optim", f"+engine=fsdp with {cls.rsplit('.', 1)[-1]}: {why}", fix)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import optim as lo
+from ..muon import Muon
 
 
 def unique_params(model: nn.Module, trainable: bool = False) -> list[nn.Parameter]:
@@ -133,6 +134,15 @@ def _adam8bit_ao(factory: lo.TorchaoAdam8bit, model):
         else:
             total += 2 * nbytes(p)
     return total
+
+
+@state_rule.register
+def _muon(factory: Muon, model):
+    """One momentum buffer per Muon matrix; AdamW's two moments and its ``step`` scalar for the rest."""
+    from ..muon import hidden_matrices
+    matrices = {id(p) for p in hidden_matrices(model, factory.blocks)}
+    scalar = torch.tensor(0.0).element_size()
+    return sum(nbytes(p) if id(p) in matrices else 2 * nbytes(p) + scalar for p in unique_params(model, trainable=True))
 
 
 def optimizer_state_bytes_of(factory, model: nn.Module) -> int:

@@ -143,6 +143,9 @@ def check(parts: Parts, settings: Settings) -> None:
     parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
     parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
     parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
+    optim_check = getattr(parts.optim, "check", None)  # an optimizer may refuse an adapter (Muon: LoRA)
+    if optim_check is not None:
+        optim_check(engine, parts.peft)
 
 
 def build(parts: Parts, settings: Settings, record: Record) -> Job:
