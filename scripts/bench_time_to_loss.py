@@ -49,7 +49,7 @@ BASELINE = "adamw+cosine"
 # The jobs: overrides of conf/config.yaml (default: none at all). gpt2: GPT-2 small on a GPU.
 JOBS = {
     "default": [],
-    "llama": ["model=llama_tiny"],
+    "llama": ["model=llama_tiny", "max_steps=150"],  # a tiny transformers Llama, half the steps
     "gpt2": ["model=gpt2_small", "model.seq_len=512", "data.max_bytes=20000000", "+precision=bf16", "batch_size=16",
              "max_steps=600", "eval_samples=256", "device=cuda"],
 }
