@@ -146,3 +146,16 @@ def test_settings_errors_name_the_key(key, value, message):
 def test_settings_convert_strings():
     s = check_settings(compose_with("max_steps=12", "lr=1e-4", "max_grad_norm=null"))
     assert s.max_steps == 12 and s.lr == 1e-4 and s.max_grad_norm is None
+
+
+def test_the_saved_config_records_no_top_level_lr_that_nothing_used():
+    """``optim.lr=0.01`` given directly leaves the top-level ``lr`` unused: config.yaml records what ran
+    (as a Python run's does); a top-level lr the optimizer interpolates stays, and so does weight_decay
+    when the optimizer takes it from there."""
+    from looplib.cli.main import used
+    direct = used(compose_with("+optim=adamw", "optim.lr=0.01"))
+    assert "lr" not in direct and direct["optim"]["lr"] == 0.01 and direct["weight_decay"] == direct["optim"]["weight_decay"]
+    both = used(compose_with("+optim=adamw", "optim.lr=0.01", "optim.weight_decay=0.0"))
+    assert "lr" not in both and "weight_decay" not in both and both["optim"]["weight_decay"] == 0.0
+    plain = used(compose_with("+optim=adamw", "lr=0.004"))
+    assert plain["lr"] == plain["optim"]["lr"] == 0.004

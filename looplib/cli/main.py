@@ -8,6 +8,7 @@ its line and the exit status.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from ..run import rundir
 from ..run.assembly import Job, Parts, Record
 from ..run.lifecycle import assemble, execute
 from ..run.lock import DirectoryHeld
-from ..run.settings import Settings
+from ..run.settings import NOT_ARGUMENTS, Settings
 from ..run.signals import Signals
 from . import sweep
 from .entry import BOUNDARY
@@ -72,8 +73,28 @@ def record(cfg: DictConfig) -> Record:
     for group_name in ("loader", "optim", "schedule"):
         target = cfg[group_name].get("_target_") if group_name in cfg else None
         origins[group_name] = f" ({target}, {origin(group_name, target)})" if target else ""
-    return Record(OmegaConf.to_container(cfg, resolve=True), name, group,
+    return Record(used(cfg), name, group,
                   continue_command().replace("{", "{{").replace("}", "}}") + "{run_dir}", origins)
+
+
+def used(cfg: DictConfig) -> dict:
+    """The config resolved, less a top-level ``lr``/``weight_decay`` that nothing interpolates (an
+    ``optim.lr=0.01`` given directly leaves conf/config.yaml's ``lr`` unused: config.yaml records
+    what ran, as a Python run's does)."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    text = " ".join(str(v) for k, v in leaves(raw) if k not in NOT_ARGUMENTS)
+    return {k: v for k, v in config.items() if k not in NOT_ARGUMENTS or re.search(r"\$\{[^}]*\b%s\b" % k, text)}
+
+
+def leaves(node, key=""):
+    """(top-level key, value) of every leaf of a plain container."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
+    if items is None:
+        yield key, node
+        return
+    for k, v in items:
+        yield from leaves(v, key or k)
 
 
 def continue_command() -> str:
