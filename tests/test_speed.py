@@ -400,16 +400,22 @@ def test_fp8_all_gathers_under_fsdp_only_with_the_tensorwise_recipe():
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
-def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["fused", "compiled-clip-and-step"])
+def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch, compiled):
     """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"), on the whole hot path that
     train_model runs (assembly, telemetry, the checkpoint policy's bad-step rule, the fused
-    optimizer's on-device skip): every way a tensor's value reaches the host (.item(), float(),
-    int(), bool(), .tolist(), .numpy(), indexing with a tensor) is counted, but for the objective's
-    item count (``count(batch)``), which reads the host batch by design before it moves to the
-    device. Runs of 4 and 12 steps that log at the same two steps (the first and the last) read
-    exactly as often: a read on any step that does not log would add 8."""
+    optimizer's on-device skip, or, ``compiled``, the clip-and-step compiled in one region with
+    its skip on the device: compile.optimizer=true, a constant learning rate): every way a
+    tensor's value reaches the host (.item(), float(), int(), bool(), .tolist(), .numpy(),
+    indexing with a tensor) is counted, but for the objective's item count (``count(batch)``),
+    which reads the host batch by design before it moves to the device. Runs of 4 and 12 steps
+    that log at the same two steps (the first and the last) read exactly as often: a read on any
+    step that does not log would add 8."""
     import sys as _sys
     from looplib import AdamW, train_model
+    from looplib.schedule import Constant
+    options = dict(optim=AdamW(impl="foreach"), compile=TorchCompile(backend="aot_eager", optimizer=True),
+                   schedule=Constant()) if compiled else dict(optim=AdamW(impl="fused"))
     from looplib.accumulation import Accumulation as Windows
     counts = {}
     for name in HOST_READS:
@@ -426,8 +432,9 @@ def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_pat
     seen = []
     for steps in (4, 12):
         counts.clear()
+        torch._dynamo.reset()
         train_model(tiny_gpt(), random_tokens(n=256), max_steps=steps, batch_size=4, accum_steps=2, device="cpu",
-                    optim=AdamW(impl="fused"), log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
+                    **options, log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
                     checkpoint_every=1000, export=None, progress="lines")
         seen.append(dict(counts))
     monkeypatch.undo()
