@@ -8,9 +8,11 @@ forward pass (seconds to minutes); a change of shape, dtype or train/eval mode r
 one graph where dynamo can: the logits' cast and the cross-entropy fuse). ``compile.regional=true``
 compiles each repeated block (the classes in ``compile.blocks``) once instead of the whole model:
 the blocks share one compiled graph, so the cold start stops growing with depth; the rest runs
-eagerly. ``compile.optimizer=true`` compiles the optimizer's step too (inductor fuses its
-per-parameter foreach kernels; under ``mode=reduce-overhead`` it replays as a CUDA graph, as the
-forward and backward do). The seconds spent compiling (forward, backward where it is compiled
+eagerly. ``compile.optimizer=true`` compiles the end of the step too: the gradient norm, the
+clipping, the inf/NaN skip (on the device) and the optimizer's update in ONE compiled region
+(``CompiledStep.clip_and_step``, which ``looplib.loop.clip_and_step`` asks for; inductor fuses the
+per-parameter foreach kernels; under ``mode=reduce-overhead`` the region replays as a CUDA graph, as
+the forward and backward do, so the whole step is graphed). The seconds spent compiling (forward, backward where it is compiled
 lazily, the optimizer step) are written to metrics.jsonl as a ``compile_s`` row at the end of the run.
 """
 from __future__ import annotations

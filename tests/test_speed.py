@@ -309,35 +309,62 @@ def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
     assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graphs_over_forward_backward_and_the_compiled_optimizer_step_train_like_eager():
-    """+compile=reduce_overhead compile.optimizer=true: the compiled forward, backward and AdamW
-    step replay as CUDA graphs (the step's learning rate a device tensor: the schedule changes it
-    in place); the losses follow the eager run's (fp32)."""
+def test_gpu_cuda_graphs_over_the_whole_step_with_clipping_train_like_eager():
+    """+compile=reduce_overhead compile.optimizer=true with clipping active (max norm 0.05, below
+    every step's gradient norm) and a NaN gradient at step 4: the compiled forward, backward and the
+    clip-and-step region (gradient norm, clipping, the skip on the device, AdamW's update; its
+    learning rate a device tensor the schedule writes into) replay as CUDA graphs: no cudagraph
+    skipped (torch._inductor's counter), the region one of the functions the cudagraph trees hold,
+    the eager clip run at the first real update only. The losses and gradient norms follow the
+    eager run's (fp32, rel 1e-4: inductor's kernels round otherwise), the same steps skipped."""
+    from unittest import mock
     from looplib import AdamW, Accumulation, fit
+    from looplib.loop import clip_grad_norm
     from looplib.telemetry import Telemetry
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
     from conftest import random_tokens
 
-    def run(strategy):
+    class Poisoned(TokenCrossEntropy):
+        calls = 0
+
+        def __call__(self, model, batch):
+            self.calls += 1
+            loss = super().__call__(model, batch)
+            return loss * float("nan") if self.calls == 7 else loss  # step 4's first micro-batch
+
+    def run(strategy, clips):
         torch.manual_seed(0)
         model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).cuda()
         optimizer = AdamW(lr=1e-3, impl="foreach").build(model)
         if strategy is not None:
             model, optimizer = strategy.wrap(model), strategy.wrap_optimizer(optimizer)
         rows = []
-        telemetry = Telemetry(enabled=False, log_every=1, total_steps=6, device="cuda")
+        telemetry = Telemetry(enabled=False, log_every=1, total_steps=8, device="cuda")
         telemetry.write = rows.append
-        data = torch.utils.data.DataLoader(random_tokens(n=48), batch_size=4)
+        data = torch.utils.data.DataLoader(random_tokens(n=64), batch_size=4)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
-        fit(model, data, objective=TokenCrossEntropy(), optimizer=optimizer, accumulation=Accumulation(2),
-            max_steps=6, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
-        return [r["loss"] for r in rows], [r["skipped_steps"] for r in rows]
+        with mock.patch("looplib.loop.clip_grad_norm", lambda *a: clips.append(1) or clip_grad_norm(*a)):
+            fit(model, data, objective=Poisoned(), optimizer=optimizer, accumulation=Accumulation(2), max_steps=8,
+                max_grad_norm=0.05, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
+        return [(r["loss"], r["grad_norm"], r["skipped_steps"]) for r in rows]
 
     torch._dynamo.reset()
-    eager, _ = run(None)
-    graphs, skipped = run(TorchCompile(mode="reduce-overhead", optimizer=True))
-    assert skipped == [0] * 6
-    assert graphs == pytest.approx(eager, rel=1e-4)
+    eager = run(None, [])
+    counters.clear()
+    clips = []
+    graphs = run(TorchCompile(mode="reduce-overhead", optimizer=True), clips)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and len(manager.ids_to_funcs) >= 3  # forward, backward, the clip-and-step
+    assert not any(hint for node in manager.non_cudagraph_managed_mutation_hint.values() for hint in node.values())
+    assert len(clips) == 1  # the first real update; the other steps clip in the graph
+    assert [r[2] for r in graphs] == [r[2] for r in eager] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert all(r[1] > 0.05 for r in eager if r[1] == r[1])
+    for got, want in zip(graphs, eager):
+        assert got[:2] == pytest.approx(want[:2], rel=1e-4, nan_ok=True)
 
 
 def meta_linears(*shapes):
