@@ -184,7 +184,8 @@ class CompiledStep:
       the region.
     - **Where the region cannot keep a value** (a state entry that is not a plain tensor: FSDP's
       DTensors, bitsandbytes' and torchao's 8-bit states) the loop clips eagerly and the step alone
-      is compiled, as before (logged once).
+      is compiled, as before (logged once); so too for a precision whose own ``step`` the region
+      does not know (a subclass that overrides ``step`` without ``stepped``: ``joins_region``).
     - **The learning rate.** On a GPU each group's rate becomes a 0-dim tensor on the parameters'
       device, so a schedule that changes it writes into the tensor (``fill_``) and never recompiles
       (torch.compile then steps foreach optimizers with capturable kernels, which read the rate on
@@ -228,13 +229,17 @@ class CompiledStep:
                 group["capturable"] = True
             if lr and not isinstance(group["lr"], torch.Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
+            for p in params if lr else ():  # a step count loaded from an eager run's checkpoint: on the CPU
+                state = self.optimizer.state.get(p, {})
+                if isinstance(state.get("step"), torch.Tensor) and state["step"].is_cpu:
+                    state["step"] = state["step"].to(p.device)  # where torch.compile would move it, before the region
 
     def clip_and_step(self, precision, params: list[torch.Tensor], max_norm: float | None):
         """The loop's unscale, clip and step in one compiled region: ``(grad_norm, skipped)`` as the
         eager ones return them (``skipped``: a device flag, 1.0 where the update was skipped, or None
         where the step hooks tell). None where the loop runs its eager path instead (the first real
         update; state the region cannot keep; no gradients at all)."""
-        if not self.made or not any(p.grad is not None for p in params):
+        if not self.made or not any(p.grad is not None for p in params) or not joins_region(precision):
             return None
         if self.plain is None:
             self.plain = plain_state(self.optimizer)
@@ -274,6 +279,14 @@ class CompiledStep:
         for t, old in zip(kept, before):
             t.copy_(torch.where(skip, old, t))
         return norm, skip.float()
+
+
+def joins_region(precision) -> bool:
+    """Whether the region may stand in for ``precision.step``: the class that defines its ``step``
+    defines ``stepped`` too (looplib's precisions; a subclass that overrides ``step`` alone keeps
+    the loop's eager path, which runs its own ``step``)."""
+    owner = next((c for c in type(precision).__mro__ if "step" in vars(c)), None)
+    return owner is not None and "stepped" in vars(owner) and hasattr(precision, "skips_on")
 
 
 def updated_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -191,6 +191,52 @@ def test_clip_and_step_in_one_compiled_region_trains_like_the_eager_step(name, m
         assert region["precision"].scaler.get_scale() == eager["precision"].scaler.get_scale() == 128.0
 
 
+def test_muon_and_a_precision_of_ones_own_under_the_compiled_clip_and_step(monkeypatch):
+    """+optim=muon (MuonAdamW: plain tensors, so the region keeps its momentum buffers on a skipped
+    step; torch's wrapper of the inner AdamW step breaks the region's graph, so it compiles as a few
+    frames at step 2, never after) skips the NaN step as the eager step does and trains like it
+    (Newton-Schulz rounds in bf16 either way: atol 1e-3). A precision that overrides ``step`` alone
+    keeps the loop's eager path, which runs its ``step`` at every boundary (the region would not)."""
+    from looplib.loop import clip_grad_norm
+    from looplib.muon import Muon
+    from looplib.precision import Precision
+    from looplib.telemetry import Telemetry
+
+    class Mine(Precision):
+        steps = 0
+
+        def step(self, optimizer, grad_norm=None):
+            self.steps += 1
+            return super().step(optimizer, grad_norm)
+
+    def run(compiled, precision):
+        torch._dynamo.reset()
+        model = tiny_gpt()
+        optimizer = Muon(lr=1e-2).build(model)
+        strategy = TorchCompile(backend="aot_eager", optimizer=True)
+        if compiled:
+            strategy.wrap_optimizer(optimizer)
+        rows = []
+        telemetry = Telemetry(enabled=False, log_every=1, total_steps=4)
+        telemetry.write, telemetry.compiled = rows.append, strategy.report
+        data = torch.utils.data.DataLoader(random_tokens(n=32, seed=3), batch_size=4)
+        fit(model, data, objective=Poisoned(at=5), optimizer=optimizer, accumulation=Accumulation(2), max_steps=4,
+            precision=precision, max_grad_norm=0.05, telemetry=telemetry)
+        return rows, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    eager, want = run(False, Precision())
+    rows, got = run(True, Precision())
+    assert [r["skipped_steps"] for r in rows] == [r["skipped_steps"] for r in eager] == [0, 0, 1, 1]
+    compiles = [r["compiles"] for r in rows]
+    assert compiles[0] == 0 < compiles[1] == compiles[-1], compiles
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    clips = []
+    monkeypatch.setattr("looplib.loop.clip_grad_norm", lambda *a: clips.append(1) or clip_grad_norm(*a))
+    mine = Mine()
+    rows, _ = run(True, mine)
+    assert mine.steps == 4 and len(clips) == 4 and [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]
+
+
 def compiled_blocks(n_layer: int):
     """A GPT of n_layer blocks, each block compiled (regional); one forward and backward: the
     number of frames dynamo compiled, and the loss and gradients."""
