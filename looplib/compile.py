@@ -8,19 +8,24 @@ forward pass (seconds to minutes); a change of shape, dtype or train/eval mode r
 one graph where dynamo can: the logits' cast and the cross-entropy fuse). ``compile.regional=true``
 compiles each repeated block (the classes in ``compile.blocks``) once instead of the whole model:
 the blocks share one compiled graph, so the cold start stops growing with depth; the rest runs
-eagerly. ``compile.optimizer=true`` compiles the optimizer's step too (inductor fuses its
-per-parameter foreach kernels; under ``mode=reduce-overhead`` it replays as a CUDA graph, as the
-forward and backward do). The seconds spent compiling (forward, backward where it is compiled
+eagerly. ``compile.optimizer=true`` compiles the end of the step too: the gradient norm, the
+clipping, the inf/NaN skip (on the device) and the optimizer's update in ONE compiled region
+(``CompiledStep.clip_and_step``, which ``looplib.loop.clip_and_step`` asks for; inductor fuses the
+per-parameter foreach kernels; under ``mode=reduce-overhead`` the region replays as a CUDA graph, as
+the forward and backward do, so the whole step is graphed). The seconds spent compiling (forward, backward where it is compiled
 lazily, the optimizer step) are written to metrics.jsonl as a ``compile_s`` row at the end of the run.
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import threading
 import time
 from typing import Literal, get_args
 
 import torch
 from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .errors import ConfigError
 
@@ -166,27 +171,135 @@ class CompiledLoss:
 
 class CompiledStep:
     """``optimizer.step`` through ``torch.compile`` (its step hooks included: looplib's count of
-    real updates sees every step). On a GPU each group's learning rate becomes a 0-dim tensor on
-    the parameters' device, so a schedule that changes it writes into the tensor (``fill_``) and
-    never recompiles the step (torch.compile then steps foreach optimizers with capturable kernels,
-    which read the rate on the device); on a CPU it stays a number (a tensor rate needs those)."""
+    real updates sees every step), and ``clip_and_step``: the loop's unscale, clip and step with the
+    gradient norm, the clipping, the non-finite skip and the update in ONE compiled region (one
+    inductor graph; under ``mode=reduce-overhead`` one CUDA graph).
+
+    - **The skip on the device.** A step whose gradients are not finite (fp32/bf16: the gradient
+      norm; fp16: the loss scaler's flag, set by its unscale) updates nothing: the region keeps
+      each parameter's and state tensor's value from before the update where the flag is set
+      (``torch.where``, no host-device sync) and returns the flag, as a fused kernel's skip does.
+    - **The first real update runs eagerly** (the uncompiled step after the loop's eager clip): it
+      makes the optimizer's state, which a skipped step must leave unmade. Each step after it runs
+      the region.
+    - **Where the region cannot keep a value** (a state entry that is not a plain tensor: FSDP's
+      DTensors, bitsandbytes' and torchao's 8-bit states) the loop clips eagerly and the step alone
+      is compiled, as before (logged once); so too for a precision whose own ``step`` the region
+      does not know (a subclass that overrides ``step`` without ``stepped``: ``joins_region``).
+    - **The learning rate.** On a GPU each group's rate becomes a 0-dim tensor on the parameters'
+      device, so a schedule that changes it writes into the tensor (``fill_``) and never recompiles
+      (torch.compile then steps foreach optimizers with capturable kernels, which read the rate on
+      the device; the eager first step is made capturable too, as torch.compile would make it); on
+      a CPU it stays a number (a tensor rate needs those)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, options: dict):
         # the class's step (torch wraps it to run the step hooks); an LR scheduler built before or after
         # this sees a step it need not wrap (_wrapped_by_lr_sched) and the call noted as its own wrapper would
         self.optimizer, self.step = optimizer, type(optimizer).step.__get__(optimizer)
         self.compiled = torch.compile(self.step, **options)
+        # the update alone: torch wraps it to run the hooks and to break the graph around it (so that a
+        # step compiled on its own is traced without grad); the region runs without grad throughout
+        self.update = inspect.unwrap(type(optimizer).step).__get__(optimizer)
+        self.region = torch.compile(self._clip_and_step, **options)
         self._wrapped_by_lr_sched = True
+        self.made, self.plain = False, None  # a real update happened; the state is plain tensors
+        self._made = optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_):
+        self.made = True
 
     def __call__(self, closure=None):
         self.optimizer._opt_called = True
         if closure is not None:  # a closure re-evaluates the model: not something to compile
             return self.step(closure)
-        for group in self.optimizer.param_groups:
-            lr = group["lr"]
-            if not isinstance(lr, torch.Tensor) and group["params"] and group["params"][0].is_cuda:
-                group["lr"] = torch.tensor(float(lr), device=group["params"][0].device)
+        if not self.made:
+            self._on_device(lr=False)
+            return self.step()
+        self._on_device()
         return self.compiled()
+
+    def _on_device(self, lr: bool = True) -> None:
+        """On a GPU, what torch.compile does to the groups of a step it compiles: capturable kernels
+        where the state is not made yet, and (``lr``) the learning rate a device tensor."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            if not params or not params[0].is_cuda:
+                continue
+            if "capturable" in group and not any(p in self.optimizer.state for p in params):
+                group["capturable"] = True
+            if lr and not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
+            for p in params if lr else ():  # a step count loaded from an eager run's checkpoint: on the CPU
+                state = self.optimizer.state.get(p, {})
+                if isinstance(state.get("step"), torch.Tensor) and state["step"].is_cpu:
+                    state["step"] = state["step"].to(p.device)  # where torch.compile would move it, before the region
+
+    def clip_and_step(self, precision, params: list[torch.Tensor], max_norm: float | None):
+        """The loop's unscale, clip and step in one compiled region: ``(grad_norm, skipped)`` as the
+        eager ones return them (``skipped``: a device flag, 1.0 where the update was skipped, or None
+        where the step hooks tell). None where the loop runs its eager path instead (the first real
+        update; state the region cannot keep; no gradients at all)."""
+        if not self.made or not any(p.grad is not None for p in params) or not joins_region(precision):
+            return None
+        if self.plain is None:
+            self.plain = plain_state(self.optimizer)
+            if not self.plain:
+                logging.getLogger("looplib").info(
+                    "compile.optimizer: %s keeps state the compiled clip-and-step cannot restore on a skipped "
+                    "step (DTensors or quantised states): clipping runs eagerly, the step alone is compiled",
+                    type(self.optimizer).__name__)
+        if not self.plain:
+            return None
+        precision.unscale(self.optimizer)  # fp16: once, before the norm (its own flag set here)
+        self._on_device()
+        opt = self.optimizer
+        opt._opt_called = True
+        for hook in (*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()):
+            hook(opt, (opt,), {})  # the step's hooks, as torch's wrapper of step runs them, outside the graph
+        with torch.no_grad():
+            grad_norm, skipped = self.region(params, max_norm or 0.0, precision.skips_on(opt))
+        for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
+            hook(opt, (opt,), {})  # a skipped update fires them too: ``skipped`` says it was one
+        precision.stepped(opt)  # fp16: the scaler's update
+        return grad_norm, skipped
+
+    def _clip_and_step(self, params, max_norm: float, skips_on):
+        with_grad = [p for p in params if p.grad is not None]
+        if max_norm:  # the loop's clip_grad_norm, traced
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True)
+        if skips_on is None:  # nothing skips (precision.skip_nonfinite=false): the step hooks count
+            self.update()
+            return norm, None
+        skip = ~torch.isfinite(norm) if isinstance(skips_on, str) else skips_on > 0
+        kept = updated_tensors(self.optimizer)
+        before = [t.clone() for t in kept]
+        self.update()
+        for t, old in zip(kept, before):
+            t.copy_(torch.where(skip, old, t))
+        return norm, skip.float()
+
+
+def joins_region(precision) -> bool:
+    """Whether the region may stand in for ``precision.step``: the class that defines its ``step``
+    defines ``stepped`` too (looplib's precisions; a subclass that overrides ``step`` alone keeps
+    the loop's eager path, which runs its own ``step``)."""
+    owner = next((c for c in type(precision).__mro__ if "step" in vars(c)), None)
+    return owner is not None and "stepped" in vars(owner) and hasattr(precision, "skips_on")
+
+
+def updated_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a step may change: the parameters that have gradients and their state tensors."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return params + [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+def plain_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter and state entry is a plain tensor (one ``torch.where`` can keep it)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    values = [v for state in optimizer.state.values() for v in state.values()]
+    return all(type(t) in (torch.Tensor, nn.Parameter) for t in params + values)
 
 
 class CompileClock:

@@ -92,7 +92,9 @@ GROUPS: list[Group] = [
         "`mean_across_ranks`, `full_weights`/`export_weights`, `close()` ([engines.md](engines.md))")),
     Group("precision", Precision, made(Precision), "fp32", True, "precision", "precision", "numerics", calls=(
         "`setup(device)` once; per micro-batch `autocast()` (a context for forward and loss) and `backward(loss)`; "
-        "per step `unscale(optimizer)` then `step(optimizer, grad_norm)`; `state_dict()`/`load_state_dict()`; "
+        "per step `unscale(optimizer)` then `step(optimizer, grad_norm)` (`compile.optimizer=true`'s compiled "
+        "clip-and-step calls `skips_on(optimizer)` and `stepped(optimizer)` instead of `step`); "
+        "`state_dict()`/`load_state_dict()`; "
         "`close()` at the end")),
     Group("optim", OptimizerFactory, made(AdamW), "adamw", True, "optim", "optim", "numerics", calls=(
         "`build(model) -> torch.optim.Optimizer`; override `create(groups)` and get looplib's parameter groups "

@@ -49,9 +49,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
                     loss = objective(model, batch) / items
                 precision.backward(loss)
             telemetry.add(loss)
-        precision.unscale(optimizer)                 # fp16: once per step, before clipping
-        grad_norm = clip_grad_norm(params, max_grad_norm)
-        skipped = precision.step(optimizer, grad_norm)  # skipped if gradients hold inf/NaN
+        grad_norm, skipped = clip_and_step(optimizer, precision, params, max_grad_norm)  # unscale, clip, step
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)        # step, *then* zero
         state.end_window(epochs, updated=telemetry.updated(), skipped=skipped)
@@ -68,6 +66,19 @@ class NoCheckpoints:
 
     def after_step(self, state: TrainState) -> bool:
         return False
+
+
+def clip_and_step(optimizer, precision: Precision, params: list[torch.Tensor], max_norm: float | None):
+    """fp16's unscale (once per step, before clipping), clipping, then the step, skipped if the
+    gradients hold inf/NaN: ``(grad_norm, skipped)``. With ``compile.optimizer=true`` the optimizer's
+    compiled step does all three in one compiled region (``looplib.compile.CompiledStep``)."""
+    region = getattr(optimizer.step, "clip_and_step", None)
+    done = region(precision, params, max_norm) if region is not None else None
+    if done is not None:
+        return done
+    precision.unscale(optimizer)
+    grad_norm = clip_grad_norm(params, max_norm)
+    return grad_norm, precision.step(optimizer, grad_norm)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:

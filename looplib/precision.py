@@ -64,6 +64,15 @@ class Precision:
             optimizer.step()
         return None
 
+    def skips_on(self, optimizer: torch.optim.Optimizer) -> str | torch.Tensor | None:
+        """For a clip-and-step compiled in one region (``compile.optimizer=true``), what skips an
+        update there, on the device: ``"norm"`` (a non-finite gradient norm, as ``step``), a device
+        flag (fp16: the scaler's), or None (nothing: ``skip_nonfinite=false``)."""
+        return "norm" if self.skip_nonfinite else None
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """What follows an update made (or skipped) in such a region (fp16: the scaler's update)."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -189,9 +198,12 @@ class FP8(BF16):
 
     def step(self, optimizer, grad_norm=None):
         skipped = super().step(optimizer, grad_norm)
+        self.stepped(optimizer)
+        return skipped
+
+    def stepped(self, optimizer):
         if self.model is not None and self.all_gather():  # the next gathers' scales, all in one all-reduce
             import_torchao_float8().precompute_float8_dynamic_scale_for_fsdp(self.model)
-        return skipped
 
 
 def import_torchao_float8():
@@ -266,12 +278,19 @@ class FP16(Autocast):
 
     def step(self, optimizer, grad_norm=None):
         self.scaler.step(optimizer)  # skips the update when gradients are not finite
-        self.scaler.update()
+        self.stepped(optimizer)
         if grad_norm is not None and fused_skip(optimizer):
             # the scaler handed its inf/NaN flag to the fused kernel: no sync, and the step hooks
             # fire either way. Gradients (unscaled) hold inf/NaN exactly when their norm does.
             return nonfinite(grad_norm)
         return None
+
+    def skips_on(self, optimizer):
+        # the scaler's own inf/NaN flag, found by unscale (what scaler.step reads on the host)
+        return sum(self.scaler._found_inf_per_device(optimizer).values())
+
+    def stepped(self, optimizer):
+        self.scaler.update()  # shrinks the scale after a skipped step, grows it after enough good ones
 
     def state_dict(self):
         return {"scaler": self.scaler.state_dict()}

@@ -309,35 +309,62 @@ def test_torchao_adam8bit_state_is_8bit_and_planned_exactly():
     assert big["exp_avg"].codes.dtype == torch.uint8 and small["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graphs_over_forward_backward_and_the_compiled_optimizer_step_train_like_eager():
-    """+compile=reduce_overhead compile.optimizer=true: the compiled forward, backward and AdamW
-    step replay as CUDA graphs (the step's learning rate a device tensor: the schedule changes it
-    in place); the losses follow the eager run's (fp32)."""
+def test_gpu_cuda_graphs_over_the_whole_step_with_clipping_train_like_eager():
+    """+compile=reduce_overhead compile.optimizer=true with clipping active (max norm 0.05, below
+    every step's gradient norm) and a NaN gradient at step 4: the compiled forward, backward and the
+    clip-and-step region (gradient norm, clipping, the skip on the device, AdamW's update; its
+    learning rate a device tensor the schedule writes into) replay as CUDA graphs: no cudagraph
+    skipped (torch._inductor's counter), the region one of the functions the cudagraph trees hold,
+    the eager clip run at the first real update only. The losses and gradient norms follow the
+    eager run's (fp32, rel 1e-4: inductor's kernels round otherwise), the same steps skipped."""
+    from unittest import mock
     from looplib import AdamW, Accumulation, fit
+    from looplib.loop import clip_grad_norm
     from looplib.telemetry import Telemetry
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
     from conftest import random_tokens
 
-    def run(strategy):
+    class Poisoned(TokenCrossEntropy):
+        calls = 0
+
+        def __call__(self, model, batch):
+            self.calls += 1
+            loss = super().__call__(model, batch)
+            return loss * float("nan") if self.calls == 7 else loss  # step 4's first micro-batch
+
+    def run(strategy, clips):
         torch.manual_seed(0)
         model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).cuda()
         optimizer = AdamW(lr=1e-3, impl="foreach").build(model)
         if strategy is not None:
             model, optimizer = strategy.wrap(model), strategy.wrap_optimizer(optimizer)
         rows = []
-        telemetry = Telemetry(enabled=False, log_every=1, total_steps=6, device="cuda")
+        telemetry = Telemetry(enabled=False, log_every=1, total_steps=8, device="cuda")
         telemetry.write = rows.append
-        data = torch.utils.data.DataLoader(random_tokens(n=48), batch_size=4)
+        data = torch.utils.data.DataLoader(random_tokens(n=64), batch_size=4)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
-        fit(model, data, objective=TokenCrossEntropy(), optimizer=optimizer, accumulation=Accumulation(2),
-            max_steps=6, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
-        return [r["loss"] for r in rows], [r["skipped_steps"] for r in rows]
+        with mock.patch("looplib.loop.clip_grad_norm", lambda *a: clips.append(1) or clip_grad_norm(*a)):
+            fit(model, data, objective=Poisoned(), optimizer=optimizer, accumulation=Accumulation(2), max_steps=8,
+                max_grad_norm=0.05, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
+        return [(r["loss"], r["grad_norm"], r["skipped_steps"]) for r in rows]
 
     torch._dynamo.reset()
-    eager, _ = run(None)
-    graphs, skipped = run(TorchCompile(mode="reduce-overhead", optimizer=True))
-    assert skipped == [0] * 6
-    assert graphs == pytest.approx(eager, rel=1e-4)
+    eager = run(None, [])
+    counters.clear()
+    clips = []
+    graphs = run(TorchCompile(mode="reduce-overhead", optimizer=True), clips)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and len(manager.ids_to_funcs) >= 3  # forward, backward, the clip-and-step
+    assert not any(hint for node in manager.non_cudagraph_managed_mutation_hint.values() for hint in node.values())
+    assert len(clips) == 1  # the first real update; the other steps clip in the graph
+    assert [r[2] for r in graphs] == [r[2] for r in eager] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert all(r[1] > 0.05 for r in eager if r[1] == r[1])
+    for got, want in zip(graphs, eager):
+        assert got[:2] == pytest.approx(want[:2], rel=1e-4, nan_ok=True)
 
 
 def meta_linears(*shapes):
@@ -400,16 +427,22 @@ def test_fp8_all_gathers_under_fsdp_only_with_the_tensorwise_recipe():
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
-def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["fused", "compiled-clip-and-step"])
+def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_path, monkeypatch, compiled):
     """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"), on the whole hot path that
     train_model runs (assembly, telemetry, the checkpoint policy's bad-step rule, the fused
-    optimizer's on-device skip): every way a tensor's value reaches the host (.item(), float(),
-    int(), bool(), .tolist(), .numpy(), indexing with a tensor) is counted, but for the objective's
-    item count (``count(batch)``), which reads the host batch by design before it moves to the
-    device. Runs of 4 and 12 steps that log at the same two steps (the first and the last) read
-    exactly as often: a read on any step that does not log would add 8."""
+    optimizer's on-device skip, or, ``compiled``, the clip-and-step compiled in one region with
+    its skip on the device: compile.optimizer=true, a constant learning rate): every way a
+    tensor's value reaches the host (.item(), float(), int(), bool(), .tolist(), .numpy(),
+    indexing with a tensor) is counted, but for the objective's item count (``count(batch)``),
+    which reads the host batch by design before it moves to the device. Runs of 4 and 12 steps
+    that log at the same two steps (the first and the last) read exactly as often: a read on any
+    step that does not log would add 8."""
     import sys as _sys
     from looplib import AdamW, train_model
+    from looplib.schedule import Constant
+    options = dict(optim=AdamW(impl="foreach"), compile=TorchCompile(backend="aot_eager", optimizer=True),
+                   schedule=Constant()) if compiled else dict(optim=AdamW(impl="fused"))
     from looplib.accumulation import Accumulation as Windows
     counts = {}
     for name in HOST_READS:
@@ -426,8 +459,9 @@ def test_a_step_that_does_not_log_reads_nothing_back_through_train_model(tmp_pat
     seen = []
     for steps in (4, 12):
         counts.clear()
+        torch._dynamo.reset()
         train_model(tiny_gpt(), random_tokens(n=256), max_steps=steps, batch_size=4, accum_steps=2, device="cpu",
-                    optim=AdamW(impl="fused"), log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
+                    **options, log_every=1000, eval_samples=0, run_dir=tmp_path / f"run{steps}",
                     checkpoint_every=1000, export=None, progress="lines")
         seen.append(dict(counts))
     monkeypatch.undo()
