@@ -72,7 +72,7 @@ def clip_and_step(optimizer, precision: Precision, params: list[torch.Tensor], m
     """fp16's unscale (once per step, before clipping), clipping, then the step, skipped if the
     gradients hold inf/NaN: ``(grad_norm, skipped)``. With ``compile.optimizer=true`` the optimizer's
     compiled step does all three in one compiled region (``looplib.compile.CompiledStep``)."""
-    region = getattr(optimizer.step, "clip_and_step", None)
+    region = getattr(getattr(optimizer, "step", None), "clip_and_step", None)  # DeepSpeed's StepHooks: no step
     done = region(precision, params, max_norm) if region is not None else None
     if done is not None:
         return done

@@ -60,6 +60,9 @@ def main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str, 
     if env.get("OMP_NUM_THREADS"):
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if "TORCHDYNAMO_DISABLE" in env:  # torch reads it once, at import, which this interpreter did before the fork
+        import torch._dynamo
+        torch._dynamo.config.disable = env["TORCHDYNAMO_DISABLE"] in ("1", "true", "True")
     sys.argv = [module, *args]
     # python -m's path: the working directory, PYTHONPATH, then the interpreter's own
     sys.path[:] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base_path]
