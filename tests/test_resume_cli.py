@@ -114,14 +114,14 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_whole(
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # cleared by the next save
 
 
-def test_kill_anywhere_8_trials(tmp_path, reference):
+def test_kill_anywhere_4_trials(tmp_path, reference):
     """SIGKILL at random moments (many inside a checkpoint write), then resume=auto: the final weights
-    equal the uninterrupted run's. 8 trials in CI; scripts/kill_anywhere.py --trials 100 for more."""
-    results = kill_anywhere.run_trials(8, parallel=2, root=tmp_path, expected=reference[0])
+    equal the uninterrupted run's. 4 trials in CI; scripts/kill_anywhere.py --trials 100 for more."""
+    results = kill_anywhere.run_trials(4, parallel=2, root=tmp_path, expected=reference[0])
     failed = [line for ok, line in results if not ok]
     assert not failed, failed
     killed_running = sum("while running" in line for _, line in results)
-    assert killed_running >= 6, [line for _, line in results]
+    assert killed_running >= 3, [line for _, line in results]
 
 
 def files_of(run_dir):
