@@ -83,8 +83,11 @@ def prepare(model, optimizer) -> tuple[dict, list[dict]]:
                                   f"gives to {ours} (the 2-D weights inside the repeated blocks)",
                                   "use +engine=fsdp or +engine=ddp with +optim=muon for this model")
     muon = next(g for g in optimizer.param_groups if g["use_muon"])
+    # torch_adam: torch's AdamW for the other half (DeepSpeed's default, its FusedAdam, is an op it
+    # compiles on first use: 1-2 minutes on a CPU, and not the update looplib's AdamW half makes)
     section = {"type": "Muon", "params": {"lr": muon["lr"], "momentum": muon["momentum"],
-                                          "weight_decay": muon["weight_decay"], "ns_method": "standard"}}
+                                          "weight_decay": muon["weight_decay"], "ns_method": "standard",
+                                          "torch_adam": True}}
     return section, [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
 
 
