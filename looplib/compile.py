@@ -28,6 +28,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .errors import ConfigError
+from .loop import clip_grad_norm
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MODES = get_args(Mode)
@@ -264,11 +265,7 @@ class CompiledStep:
         return grad_norm, skipped
 
     def _clip_and_step(self, params, max_norm: float, skips_on):
-        with_grad = [p for p in params if p.grad is not None]
-        if max_norm:  # the loop's clip_grad_norm, traced
-            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True)
+        norm = clip_grad_norm(params, max_norm)  # the loop's own, traced
         if skips_on is None:  # nothing skips (precision.skip_nonfinite=false): the step hooks count
             self.update()
             return norm, None
