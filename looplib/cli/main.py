@@ -83,18 +83,8 @@ def used(cfg: DictConfig) -> dict:
     what ran, as a Python run's does)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     raw = OmegaConf.to_container(cfg, resolve=False)
-    text = " ".join(str(v) for k, v in leaves(raw) if k not in NOT_ARGUMENTS)
+    text = str({k: v for k, v in raw.items() if k not in NOT_ARGUMENTS})  # every other value, nested ones too
     return {k: v for k, v in config.items() if k not in NOT_ARGUMENTS or re.search(r"\$\{[^}]*\b%s\b" % k, text)}
-
-
-def leaves(node, key=""):
-    """(top-level key, value) of every leaf of a plain container."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
-    if items is None:
-        yield key, node
-        return
-    for k, v in items:
-        yield from leaves(v, key or k)
 
 
 def continue_command() -> str:
