@@ -79,7 +79,10 @@ def test_search_measures_micro_batch_and_checkpointing(searched):
     assert said.index(next(x for x in said if x.startswith("[tune] the search: about "))) < first
     cost = result["cost"]
     assert cost["runs_likely"] >= 3 and cost["job_s"] == result["rows"][0]["job_s"] and cost["search_s"] > 0
-    assert any(x.startswith(f"[tune] the job as given is predicted to take {cost['job_s']:,.1f} s") for x in said)
+    # said before the search, from the first measurement (job_s is the final prediction, after more runs)
+    start = [float(x.split("predicted to take ")[1].split(" s;")[0].replace(",", "")) for x in said
+             if x.startswith("[tune] the job as given is predicted to take ")]
+    assert len(start) == 1 and start[0] == pytest.approx(cost["job_s_start"], abs=0.051)
     # no finals ran (tune.finalists=0): nothing is said to be beyond the noise
     assert result["decision"]["why"].startswith("no candidate was measured again beside the reference (no finals ran")
     assert "beyond the noise" not in r.stdout

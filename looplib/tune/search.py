@@ -181,7 +181,8 @@ class Search(Verdicts):
         run_s = sum(o.wall_s for o in given.runs) / len(given.runs) if given.measured else None
         job_s = self.time(given) if given.measured else None
         self.cost.update(runs_likely=likely, runs_most=most, run_s=run_s and round(run_s, 2),
-                         job_s=job_s and round(job_s, 2), budget_s=self.tune.budget_s)
+                         job_s=job_s and round(job_s, 2), job_s_start=job_s and round(job_s, 2),
+                         budget_s=self.tune.budget_s)  # job_s becomes the final prediction; job_s_start stays
         if run_s is None:
             return
         search_s = min(likely * run_s, self.tune.budget_s)
