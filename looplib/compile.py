@@ -49,6 +49,9 @@ class Compile:
     def check_optimizer(self, optim, device) -> None:
         """Refuse an optimizer this strategy cannot compile (build time: the factory, not the optimizer)."""
 
+    def check_accumulation(self, accum_steps: int) -> None:
+        """Refuse an accumulation window this strategy cannot train exactly (build time)."""
+
     def wrap_loss(self, objective):
         return objective
 
@@ -105,6 +108,17 @@ class TorchCompile(Compile):
         if self.mode == "reduce-overhead" and getattr(corpus, "collate", None) is not None:
             raise ConfigError("compile.mode", "CUDA graphs (reduce-overhead) replay fixed shapes, and this data pads "
                               "each batch to its longest example", "use data.pack=true (fixed windows), or "
+                              "+compile=default")
+
+    def check_accumulation(self, accum_steps):
+        # CUDA graph trees hand a backward's gradients out of their own memory pool; a second backward
+        # before the optimizer step finds them overwritten (PyTorch issue 169545: the error of the GPU
+        # tests on an H200, 2026-11-28) or adds to a stolen buffer and trains on a fraction of the
+        # window's gradient without a word (reported on PyTorch issue 96693)
+        if self.mode == "reduce-overhead" and accum_steps > 1:
+            raise ConfigError("compile.mode", f"CUDA graphs (reduce-overhead) cannot accumulate gradients over "
+                              f"accum_steps={accum_steps} micro-batches: torch's CUDA graph trees overwrite the first "
+                              "micro-batch's gradients", "use accum_steps=1 with a larger batch_size, or "
                               "+compile=default")
 
     def wrap(self, model):

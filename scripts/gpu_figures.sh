@@ -5,21 +5,24 @@
 #
 # PARTS: check mfu overhead tests guides guides_compile tests_ds engines speed_options (default: all,
 # in that order; speed_options was called speed until issue 33: bench_speed.py's options each against
-# its baseline), and issue 33's, which spend a GPU well: `bash scripts/gpu_figures.sh OUT speed peers`
-# runs in under 9 minutes (the parts' limits add up to 535 s; each writes as it goes):
-#   speed          = speed_ladder (150 s) + speed_bert (70 s)
+# its baseline), and issue 33's, which spend a GPU well, in three device calls of their own (each under the
+# 560 s a 600 s call leaves after the wheels' install; on an H200 on 2026-11-28, `speed peers` with the old
+# limits of 535 s in one call measured 2 ladder rows and 4 of the 8 peer rows; the rest ran out of budget):
+#     bash scripts/gpu_figures.sh OUT speed                      # 490 s
+#     bash scripts/gpu_figures.sh OUT peers_gpt2 peers_qlora     # 400 s
+#     bash scripts/gpu_figures.sh OUT peers_pretrain             # 360 s   (`peers` runs all three workloads)
+#   speed          = speed_ladder (420 s) + speed_bert (70 s)
 #   speed_ladder   GPT-2 small ladder to its best combination: eager, compile (padded vocabulary), compiled
 #                  loss, Liger loss, compiled optimizer step, CUDA graphs over forward/backward/optimizer,
 #                  fp8 (tensorwise), regional compile, then --best (the options
 #                  that beat the compiled row, combined). Rows that would overrun the budget are left out
-#                  and said so: with cold compile caches expect 3-5 rows and --best in 150 s; the whole
-#                  ladder takes LIMIT_SPEED_LADDER=420 (a call of its own). target: >= 460,000 tokens/s
+#                  and said so (150 s held eager, compile and --best on an H200). target: >= 460,000 tokens/s
 #   speed_bert     BERT-large's fastest row (bf16, fused AdamW, compiled model and loss, largest micro-batch)
 #                  beside vanilla. target: >= 315 samples/s
-#   peers          = peers_gpt2 (90 s) + peers_pretrain (125 s) + peers_qlora (100 s): scripts/bench_peers.py,
-#                  one workload each into OUT/peers/ (peers.md, peers.json; rows merge as they finish; a row
-#                  its part's budget leaves out is written as not run). The GPT-2 job's shapes are the
-#                  ladder's (micro-batch 8), so looplib's row reuses the ladder's compiled kernels (cache).
+#   peers_WORKLOAD scripts/bench_peers.py, one workload each (gpt2 200 s, qlora 200 s, pretrain 360 s) into
+#                  OUT/peers/ (peers.md, peers.json; rows merge as they finish; a row its part's budget leaves
+#                  out is written as not run). The GPT-2 job's shapes are the ladder's (micro-batch 8), so
+#                  looplib's row reuses the ladder's compiled kernels (cache) when both run in one call.
 # and issue 15's (speed to the limit; not in the default list, name them):
 #   speed_mfu      GPT-2 small ladder, part 1: eager -> padded vocab -> compile -> loss compiled -> chunked loss
 #                  target: >= 460,000 tokens/s in the best row (bench_mfu.py; rows written as they finish)
@@ -83,6 +86,12 @@ fi
 if [ -z "${DRY:-}" ] && ! $py -c "import importlib.resources as r; r.files('looplib.conf')" 2>/dev/null; then
     ln -sfn ../conf looplib/conf
 fi
+# Without an installed looplib the checkout itself must be on the path: `python3 scripts/X.py` puts scripts/ first,
+# not the working directory, and a test's torchrun ranks start in other directories (2026-11-28 on an H200:
+# speed_bert's Hydra compose found no looplib.conf, and the torchrun tests no looplib, until this was set).
+if [ -z "${DRY:-}" ] && ! (cd / && $py -c "import looplib" 2>/dev/null); then
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 planned=0
 limit() { local var="LIMIT_${1^^}"; echo "${!var:-$2}"; }  # limit NAME DEFAULT: a part's seconds (LIMIT_<NAME>)
 
@@ -128,13 +137,15 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
         --out "$results/guides_compile" ;;
     engines) part engines 300 $py scripts/bench_engines.py --steps 30 --out "$results/engines" ;;
     speed_options) part speed_options 300 $py scripts/bench_speed.py ;;
-    speed) l=$(limit speed_ladder 150); part speed_ladder "$l" $py scripts/bench_mfu.py --steps 12 --warmup 6 --best \
+    speed) l=$(limit speed_ladder 420); part speed_ladder "$l" $py scripts/bench_mfu.py --steps 12 --warmup 6 --best \
             --budget-s $((l - 15)) \
             --rows eager,compile,compile_loss,liger,compile_optimizer,graphs_step,fp8,regional \
             --out "$results/speed_ladder"
         part speed_bert 70 $py scripts/bench_guides.py --rows fastest --trainer-rows none --steps 16 \
             --out "$results/speed_bert" ;;
-    peers) for w in gpt2:90 pretrain:125 qlora:100; do
+    peers|peers_gpt2|peers_pretrain|peers_qlora)
+        [ "$p" = peers ] && ws="gpt2:200 qlora:200 pretrain:360" || ws=$(grep -o "${p#peers_}:[0-9]*" <<<"gpt2:200 qlora:200 pretrain:360")
+        for w in $ws; do
             l=$(limit "peers_${w%:*}" "${w#*:}")
             part "peers_${w%:*}" "$l" $py scripts/bench_peers.py --workloads "${w%:*}" --budget-s $((l - 10)) \
                 --out "$results/peers"
@@ -170,7 +181,7 @@ tests/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
     time_to_loss) part time_to_loss 560 $py scripts/bench_time_to_loss.py --jobs gpt2 --recipes adamw+cosine,muon+wsd \
         --lrs 1e-3,3e-3 --seeds 1 --eval-every 20 --threads 8 --out "$results/time_to_loss" ;;
-    *) echo "unknown part $p (choose from: $all speed peers speed_mfu speed_mfu2 speed_loss speed_guides \
+    *) echo "unknown part $p (choose from: $all speed peers peers_gpt2 peers_qlora peers_pretrain speed_mfu speed_mfu2 speed_loss speed_guides \
 speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
 memory_qlora_fsdp checkpoint_stall time_to_loss)"; exit 2 ;;
     esac

@@ -102,23 +102,37 @@ def test_every_gpu_command_line_of_looplib_composes(workload, tmp_path):
             assert cfg.model._target_ == "looplib.models.GPT" and cfg.model.d_model == 768 and cfg.model.n_layer == 12
 
 
-def test_gpu_figures_speed_and_peers_fit_nine_minutes_and_name_real_rows(tmp_path):
-    """`bash scripts/gpu_figures.sh OUT speed peers` as a dry run (DRY=1: each part's limit and
-    command, nothing run): the limits add up to under 9 minutes, and every row, workload and flag
-    a part names exists in its script, so the GPU's minutes are not lost to a typo."""
+def test_gpu_figures_calls_each_fit_one_device_call_and_name_real_rows(tmp_path):
+    """The GPU figures as the device calls docs/testing.md gives them (`speed`; `peers_gpt2
+    peers_qlora`; `peers_pretrain`) as dry runs (DRY=1: each part's limit and command, nothing
+    run): each call's limits add up to under the 560 s a 600 s call leaves after the wheels'
+    install, `peers` alone runs every workload, and every row, workload and flag a part names
+    exists in its script, so the GPU's minutes are not lost to a typo."""
     import re
     import shlex
 
     import bench_guides
     import bench_mfu
     from spec import WORKLOADS
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_figures.sh"), str(tmp_path / "out"), "speed", "peers"],
-                       capture_output=True, text=True, env={"DRY": "1", "PATH": "/usr/bin:/bin"}, cwd=REPO, timeout=60)
-    assert r.returncode == 0, r.stderr
-    parts = re.findall(r"^part (\S+) (\d+)s: (.*)$", r.stdout, re.M)
-    assert [p[0] for p in parts] == ["speed_ladder", "speed_bert", "peers_gpt2", "peers_pretrain", "peers_qlora"]
-    total = sum(int(p[1]) for p in parts)
-    assert total < 540 and f"limits of the parts run: {total}s in all" in r.stdout
+
+    def dry(*names):
+        r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_figures.sh"), str(tmp_path / "out"), *names],
+                           capture_output=True, text=True, env={"DRY": "1", "PATH": "/usr/bin:/bin"}, cwd=REPO,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        found = re.findall(r"^part (\S+) (\d+)s: (.*)$", r.stdout, re.M)
+        total = sum(int(p[1]) for p in found)
+        assert f"limits of the parts run: {total}s in all" in r.stdout
+        return found, total
+
+    parts = []
+    for call, expect in ((["speed"], ["speed_ladder", "speed_bert"]),
+                         (["peers_gpt2", "peers_qlora"], ["peers_gpt2", "peers_qlora"]),
+                         (["peers_pretrain"], ["peers_pretrain"])):
+        found, total = dry(*call)
+        assert [p[0] for p in found] == expect and total <= 560, (call, total)
+        parts += found
+    assert [p[0] for p in dry("peers")[0]] == ["peers_gpt2", "peers_qlora", "peers_pretrain"]
     for name, limit, command in parts:
         args = shlex.split(command)
         script = REPO / args[1]

@@ -142,6 +142,8 @@ def check(parts: Parts, settings: Settings) -> None:
     engine.check_evaluation(parts.evaluation)
     parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
     parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
+    if settings.batch_size != "auto":  # auto's accumulation is checked once chosen (build)
+        parts.compile.check_accumulation(settings.accum_steps)  # CUDA graphs: one backward per step
     parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
     optim_check = getattr(parts.optim, "check", None)  # an optimizer may refuse an adapter (Muon: LoRA)
     if optim_check is not None:
@@ -169,6 +171,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
         from ..plan import optimizer_state_bytes  # the planner only when asked
         settings.batch_size, settings.accum_steps = autobatch.resolve(job, optimizer_state_bytes(job, default=0))
         record.config.update(batch_size=settings.batch_size, accum_steps=settings.accum_steps)
+        job.compile.check_accumulation(settings.accum_steps)
     job.model = job.compile.wrap(job.model)  # compile last: it sees the final module
     job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     return job
