@@ -207,12 +207,27 @@ def write_safetensors(module, path: Path) -> None:
     """``module.state_dict()`` (or a state dict itself; tied weights stored once) as safetensors,
     written beside the target and renamed: never a half-written file."""
     from safetensors.torch import save_model
-    if isinstance(module, dict):
-        module = _StateDict(module)
+    weights = module if isinstance(module, dict) else module.state_dict()
     tmp = path.with_name(path.name + ".tmp")
-    save_model(module, str(tmp))
+    save_model(_StateDict({name: plain(t) for name, t in weights.items()}), str(tmp))
     as_umask(tmp)  # safetensors writes 0600
     os.replace(tmp, path)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass that holds one (torchao's fp8 all-gather weight
+    under FSDP2 keeps the fp32 weight as ``_tensor``): safetensors reads a storage pointer that a
+    wrapper does not have ("invalid python storage", seen on an H200 at the end of an fp8 + FSDP2
+    run). Tied names still share the one inner tensor, so the file stores it once."""
+    while type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        from torch.distributed.tensor import DTensor
+        if isinstance(t, DTensor):  # a shard is not the weight: the engine gathers first (full_weights)
+            raise TypeError("a sharded DTensor reached the export; gather the full state dict first")
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        t = getattr(t, inner[0])
+    return t
 
 
 class _StateDict:
