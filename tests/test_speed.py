@@ -247,18 +247,33 @@ def train_steps(model, objective, steps=3, precision=None, compile_=None, accum=
         return float(TokenCrossEntropy()(model, batch) / TokenCrossEntropy().count(batch))
 
 
+def chunked_matches_plain_in_bf16(device: str) -> None:
+    """The chunked loss and its gradients against the plain loss's, both under bf16 autocast. The
+    gradients are compared as whole tensors (the norm of the difference within 1% of the
+    gradient's norm): bf16 rounds each matmul's output to 8 bits, so a summed loss's gradients
+    (up to ~5 here) differ elementwise by up to ~2e-2 where terms cancel (on the CPU: 1.35e-2 at
+    a relative norm of 1.9e-3; the elementwise 1e-3 of the H200's run on 2026-11-28 failed so),
+    while a chunk lost or counted twice moves the norm by ~1/7."""
+    batch = {k: v.to(device) for k, v in batch_with_ignored().items()}
+    results = []
+    for objective in (TokenCrossEntropy(), ChunkedTokenCrossEntropy(chunk_size=7)):
+        model = tiny_gpt().to(device)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            results.append(loss_and_grads(model, objective, batch))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=1e-2)
+    for name, want in results[0][1].items():
+        got = results[1][1][name]
+        assert (got - want).norm() <= 1e-2 * want.norm(), (name, float((got - want).norm() / want.norm()))
+
+
+def test_chunked_loss_in_bf16_matches_the_plain_loss_on_the_cpu():
+    chunked_matches_plain_in_bf16("cpu")
+
+
 @gpu
 def test_gpu_chunked_loss_in_bf16_matches_the_plain_loss():
     from looplib.precision import BF16
-    batch = {k: v.cuda() for k, v in batch_with_ignored().items()}
-    results = []
-    for objective in (TokenCrossEntropy(), ChunkedTokenCrossEntropy(chunk_size=7)):
-        model = tiny_gpt().cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            results.append(loss_and_grads(model, objective, batch))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=1e-2)
-    for name in results[0][1]:
-        torch.testing.assert_close(results[1][1][name], results[0][1][name], rtol=5e-2, atol=1e-3, msg=name)
+    chunked_matches_plain_in_bf16("cuda")
     assert train_steps(tiny_gpt(), ChunkedTokenCrossEntropy(), precision=BF16()) == pytest.approx(
         train_steps(tiny_gpt(), TokenCrossEntropy(), precision=BF16()), rel=2e-2)
 
