@@ -66,6 +66,26 @@ def test_every_extension_by_dotted_path(tmp_path):
     check_run(r, run_dir)
 
 
+def test_a_users_precision_that_deepspeed_would_bypass_is_refused(tmp_path):
+    """DeepSpeed casts, scales and steps itself, so a precision of the user's own that overrides
+    autocast (BF16FP32Norms) would never be called under +engine=deepspeed: the run trained at
+    DeepSpeed's bf16 and exited 0. Now one line naming the class and the verb, exit 2, nothing
+    written; looplib's own precisions and a subclass that overrides none of the verbs still pass."""
+    from looplib.engines.deepspeed_adapters import DeepSpeedPrecision, bypassed_overrides
+    from looplib.precision import BF16
+
+    class Renamed(BF16):  # a new name and settings only: nothing DeepSpeed would bypass
+        name = "mine"
+    assert bypassed_overrides(Renamed, DeepSpeedPrecision.BYPASSED) == []
+    assert bypassed_overrides(BF16FP32Norms, DeepSpeedPrecision.BYPASSED) == ["autocast"]
+    run_dir = tmp_path / "run"
+    r = run_cli("+precision._target_=my_research.BF16FP32Norms", "+engine=deepspeed", "data=random", *QUICK,
+                f"hydra.run.dir={run_dir}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert "BF16FP32Norms overrides autocast" in r.stderr and "+engine=deepspeed" in r.stderr
+    assert "Traceback" not in r.stderr and not (run_dir / "metrics.jsonl").exists()
+
+
 def test_hydra_searchpath_finds_a_new_group_option(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli(f"hydra.searchpath=[file://{CONF}]", "+optim=lion", "data=random", *QUICK,

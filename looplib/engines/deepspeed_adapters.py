@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import ConfigError
 from ..precision import Precision
 
 if TYPE_CHECKING:
@@ -22,7 +23,17 @@ class DeepSpeedPrecision(Precision):
     the loss arrives divided by the window's items and is not divided again. Before ``prepare``
     (``batch_size=auto``'s probe of the plain model) every verb is the chosen precision's."""
 
+    # the verbs DeepSpeed performs itself once prepared: a precision of the user's own that overrides one of
+    # them would never be called, and the run would train at DeepSpeed's precision and exit 0
+    BYPASSED = ("convert", "autocast", "backward", "unscale", "step", "skips_on", "stepped")
+
     def __init__(self, engine: "DeepSpeed", chosen: Precision):
+        overridden = bypassed_overrides(type(chosen), self.BYPASSED)
+        if overridden:
+            raise ConfigError("precision._target_", f"{type(chosen).__module__}.{type(chosen).__qualname__} overrides "
+                              f"{', '.join(overridden)}, which +engine=deepspeed never calls (DeepSpeed casts, scales "
+                              "and steps itself)", "use +precision=fp32, fp16 or bf16 with +engine=deepspeed, or "
+                              "+engine=ddp / fsdp for a precision of your own")
         self.engine, self.chosen = engine, chosen
         self.name = f"{getattr(chosen, 'name', 'custom')} (DeepSpeed)"
         self.dtype, self.device = chosen.dtype, getattr(chosen, "device", None)
@@ -83,3 +94,14 @@ class StepHooks:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass  # DeepSpeedEngine.step() already did
+
+
+def bypassed_overrides(cls: type, verbs: tuple[str, ...]) -> list[str]:
+    """The verbs a class from outside looplib defines itself, above the looplib precision it
+    derives from (looplib's own precisions are what DeepSpeed's config is derived from)."""
+    own = []
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "looplib":
+            break
+        own += [verb for verb in verbs if verb in vars(klass) and verb not in own]
+    return own
