@@ -142,3 +142,14 @@ def test_each_launcher_without_an_engine_gets_ddp(monkeypatch, caplog, env, who)
     assert f"{who} started {env.get('WORLD_SIZE', env.get('SLURM_NTASKS'))} processes" in caplog.text
     chosen = OmegaConf.create({"engine": {"_target_": "looplib.engines.FSDP"}})
     assert instantiate.launcher_defaults(chosen) == {}  # an engine chosen: kept
+
+
+def test_a_multi_process_engine_without_a_launcher_says_it_trains_alone(tmp_path):
+    """`+engine=ddp` typed as a plain command trained as one process without a word; now one
+    warning names the engine and the launcher to use (the run itself is still one exact process)."""
+    r = run_cli("+engine=ddp", *JOB, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "DDP was started without a launcher, so it trains as one process" in out and "torchrun --nproc_per_node N" in out
+    r = run_cli(*JOB, f"hydra.run.dir={tmp_path / 'plain'}", cwd=tmp_path)
+    assert "without a launcher" not in r.stdout + r.stderr  # the local engine needs none

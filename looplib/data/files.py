@@ -89,7 +89,7 @@ class FileCorpus(Corpus):
         identity.check({"tokenizer": self.identity["tokenizer"]})  # before anything is tokenised with it
         if vocab_size != info.vocab_size:
             raise ConfigError("data.vocab_size", f"data.vocab_size={vocab_size} but the tokenizer at {spec} has "
-                              f"{info.vocab_size} tokens", "leave data.vocab_size out: it follows data.tokenizer")
+                              f"{info.vocab_size} tokens", f"set data.vocab_size={info.vocab_size}, the tokenizer's own size")
         if self.eos_ends and info.eos_id is None:
             raise ConfigError("data.tokenizer", f"the tokenizer at {spec} has no end-of-text token to end {self.eos_ends} "
                               "with", "use a tokenizer with an eos_token (tokenizer_config.json), or data.tokenizer=null")

@@ -206,8 +206,13 @@ def lost_rank_line(err: BaseException) -> str | None:
 
 def start(engine) -> None:
     """Bring up the process group for ``engine`` and learn its rank and world size."""
+    by_hand = not dist.is_initialized() and not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"))
     init_process_group(engine.device, engine.timeout_s)
     engine.rank, engine.world_size = dist.get_rank(), dist.get_world_size()
+    if by_hand:  # a multi-process engine started as a plain command: say so rather than train alone in silence
+        logging.getLogger("looplib").warning(
+            "%s was started without a launcher, so it trains as one process; for several: "
+            "torchrun --nproc_per_node N -m looplib.train ... (or the deepspeed launcher)", type(engine).__name__)
     if engine.rank != 0:  # one voice: the other ranks only warn
         logging.getLogger("looplib").setLevel(logging.WARNING)
 
