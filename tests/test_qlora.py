@@ -60,8 +60,10 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     assert trace[-1] < trace[0] - 0.1
     model = result.model
     from looplib.run.training import parameter_counts
-    total, trained = parameter_counts(model)  # the header's count: 4-bit weights at their shape, not packed bytes
+    total, trained, four_bit = parameter_counts(model)  # the header's count: 4-bit weights at their shape, not bytes
     assert total == sum(p.numel() for p in tiny_gpt().parameters()) + trained and 0 < trained < total / 5
+    assert four_bit == sum(m.weight.numel() for n, m in tiny_gpt().named_modules()  # the 8 adapted Linear layers
+                           if isinstance(m, torch.nn.Linear) and not n.endswith("head"))
     fresh = quantize(tiny_gpt(), qlora().bnb, "nf4", True, torch.float32, torch.device("cpu"))
     fourbit = {n.replace("base_model.model.", "").replace(".base_layer", ""): m for n, m in model.named_modules()
                if is_4bit(m)}

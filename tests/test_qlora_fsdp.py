@@ -47,10 +47,14 @@ def adapter(run_dir) -> dict[str, torch.Tensor]:
 
 def test_two_processes_equal_one_and_resume_on_one(tiny_pretrained, tmp_path):
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    import re
+    header = re.compile(r"training .*?\(([0-9.]+M parameters, [0-9.]+M trained, the base's [0-9.]+M held in 4 bits)\)")
     r = run_cli(*job(tiny_pretrained), "batch_size=4", f"hydra.run.dir={one}", cwd=tmp_path)  # the local engine
     assert r.returncode == 0, r.stderr
+    said = header.findall(r.stdout + r.stderr)
     r = torchrun(*job(tiny_pretrained), "+engine=fsdp", "batch_size=2", f"hydra.run.dir={two}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert said and header.findall(r.stdout + r.stderr)[:1] == said  # counted before sharding: the same model
     assert losses(two) == pytest.approx(losses(one), rel=LOSS_RTOL)
     a, b = adapter(one), adapter(two)
     assert a.keys() == b.keys() and len(a) == 28  # 2 layers x 7 linear layers x (A, B)

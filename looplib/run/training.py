@@ -21,7 +21,7 @@ from ..loggers import JsonLines, Run, logged_steps
 from ..loop import fit
 from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
-from .assembly import Job, Record, Trained, refused
+from .assembly import Job, Record, Trained, parameter_counts, refused
 from .checkpoint_dir import config_text
 from .plots import end_of_run_plot
 from .elastic import current
@@ -89,10 +89,11 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
     telemetry.about.update({k: launched(geometry)[k] for k in ("launcher", "world_size", "global_batch")})
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
-    total, trained_count = parameter_counts(job.model)
+    total, trained_count, four_bit = getattr(job, "counts", None) or parameter_counts(job.model)  # before sharding
     log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
              "optimizer %s", getattr(job, "model_name", None) or type(engine.unwrap(job.model)).__name__, total / 1e6,
-             f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "", engine.device, state.step + 1,
+             (f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "") +
+             (f", the base's {four_bit / 1e6:.2f}M held in 4 bits" if four_bit else ""), engine.device, state.step + 1,
              s.max_steps, micro_batch, s.accum_steps, ranks, job.precision.name, optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
@@ -144,19 +145,6 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     if run_dir is not None:
         log.info("done: %s", run_dir)
     return trained
-
-
-def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(every parameter, those trained) as the model defines them, whatever holds them: a 4-bit
-    weight counted at its shape, not its packed bytes (bitsandbytes' ``quant_state``); a ZeRO-3
-    partition at its whole size (``ds_numel``); an FSDP2 shard at its global size (a DTensor)."""
-    total = trained = 0
-    for p in model.parameters():
-        shape = getattr(getattr(p, "quant_state", None), "shape", None)
-        n = getattr(p, "ds_numel", None) or (int(torch.Size(shape).numel()) if shape is not None else p.numel())
-        total += n
-        trained += n if p.requires_grad else 0
-    return total, trained
 
 
 def launched(geometry) -> dict:
