@@ -516,3 +516,13 @@ def test_qlora_is_searched_with_numerics_allowed_and_checked_against_the_jobs_lo
     row = next(x for x in result["rows"] if x["candidate"] == "peft=qlora")
     assert row["overrides"] == ["+peft=qlora"] and row["planned_mem_mb"] is not None
     assert row["status"] in ("measured", "diverged") and row["loss_delta"] is not None  # its loss against the job's
+
+
+def test_a_job_with_a_warm_up_longer_than_the_runs_in_small_is_measured(tmp_path):
+    """The runs in small (tune.steps x repeats) are shorter than the job's warm-up, which a run
+    refuses (schedule.warmup_steps): they run with the warm-up at 0 (the lr does not change a step's time)."""
+    r, result = tune(tmp_path, "w", *TINY, "batch_size=2", "max_steps=200", "+schedule=wsd", "schedule.warmup_steps=30",
+                     "tune.search=[batch]", *BARE)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert result["rows"] and all(row["status"] == "measured" for row in result["rows"]), result["rows"]
+    assert "schedule.warmup_steps=30" in result["best"]["command"]  # the job as given keeps its own warm-up

@@ -164,6 +164,9 @@ def check(parts: Parts, settings: Settings) -> None:
     engine.check_evaluation(parts.evaluation)
     parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
     parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
+    schedule_check = getattr(parts.schedule, "check", None)  # a warm-up as long as the run: refused
+    if schedule_check is not None:
+        schedule_check(settings.max_steps)
     parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
     optim_check = getattr(parts.optim, "check", None)  # an optimizer may refuse an adapter (Muon: LoRA)
     if optim_check is not None:

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +34,9 @@ class Job:
     loss: str                     # the loss's _target_ (the chunked loss is a candidate only for the default)
     # (job overrides, space, processes) -> planned bytes per rank of a candidate (None: cannot say)
     planner: Callable[[list[str], Space, int], Callable[[Candidate], int | None]]
+    # overrides every measuring run adds (a schedule's warm-up set to 0: the job in small is shorter
+    # than its warm-up, which a run refuses; the lr's value does not change a step's time)
+    measuring: list[str] = field(default_factory=list)
 
 
 def run(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callable[[list[str]], Job]) -> int:
@@ -172,6 +175,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
             finish(result, run_dir)
         return 0
     measured_job = job_without_measurement(job_overrides)
+    measured_job = [*without(measured_job, job.measuring), *job.measuring]
     job_plan = JobPlan.of(settings)
     signals = Signals().__enter__()  # SIGTERM, SIGUSR1, Ctrl-C: the running candidate goes, the rows are written
     if world:
