@@ -184,6 +184,9 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
     check_labels(parts.data, parts.objective)
+    check_base = getattr(parts.peft, "check_base", None)  # LoRA on a model never trained: refused unless said
+    if check_base is not None:
+        check_base(parts.model)
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)
