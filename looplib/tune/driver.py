@@ -37,6 +37,7 @@ class Job:
     # overrides every measuring run adds (a schedule's warm-up set to 0: the job in small is shorter
     # than its warm-up, which a run refuses; the lr's value does not change a step's time)
     measuring: list[str] = field(default_factory=list)
+    trained_base: bool = True     # False: the model starts from random weights (no adapter candidates)
 
 
 def run(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callable[[list[str]], Job]) -> int:
@@ -158,7 +159,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
     settings = job.settings
     device = resolve_device(settings.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    space = build_space(tune, job_overrides, settings, device, size, job.loss, pinned(job_overrides))
+    space = build_space(tune, job_overrides, settings, device, size, job.loss, pinned(job_overrides), job.trained_base)
     limit, memory = memory_limit(tune, device)
     run_dir = run_dir.absolute()
     if world:
