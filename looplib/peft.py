@@ -91,7 +91,6 @@ class LoRA(FullModel):
     def check_base(self, model):
         """Adapters fine-tune a trained base: one looplib knows was never trained (random weights:
         ``looplib.run.init_from.untrained``) is refused unless ``allow_random_base``."""
-        from .run.init_from import untrained
         if self.allow_random_base or not untrained(model):
             return
         name = "qlora" if isinstance(self, QLoRA) else "lora"
@@ -261,6 +260,18 @@ class QLoRA(LoRA):
         if self.sharded and self.compute_dtype != torch.float32:
             frozen_in(model, self.compute_dtype)
         return super().wrap(model)
+
+
+def untrained(model: nn.Module) -> bool:
+    """True for a model looplib knows was built with random weights and never loaded any: the
+    bundled models (``looplib.models``) with no weights loaded, a transformers model built from a
+    config (no ``model.path``). Any other model: False (looplib cannot tell)."""
+    from .models import BertClassifier
+    if getattr(model, "weights_from", None):
+        return False
+    if isinstance(model, (GPT, BertClassifier)):
+        return True
+    return hasattr(model, "adapt") and hasattr(model, "hf") and not getattr(model, "path", None)
 
 
 def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

@@ -7,7 +7,7 @@ PATH is a run directory (its exported ``model.safetensors``, else its newest val
 weights: a transformers run's, whose export is ``hf/``) or a checkpoint directory
 (``.../checkpoints/step-N``). Every name and shape must match the model built for the new run;
 the first mismatch is refused in one line naming both. A model loaded this way counts as trained
-(``weights_from``): LoRA may adapt it (``looplib.peft``).
+(``weights_from``): LoRA may adapt it (``looplib.peft.untrained``).
 """
 from __future__ import annotations
 
@@ -84,14 +84,3 @@ def init_from(model: nn.Module, path: str | Path) -> nn.Module:
              "afresh", KEY, len(weights), count / 1e6, source)
     return model
 
-
-def untrained(model: nn.Module) -> bool:
-    """True for a model looplib knows was built with random weights and never loaded any: the
-    bundled models (``looplib.models``) with no weights loaded, a transformers model built from a
-    config (no ``model.path``). Any other model: False (looplib cannot tell)."""
-    from ..models import BertClassifier, GPT
-    if getattr(model, "weights_from", None):
-        return False
-    if isinstance(model, (GPT, BertClassifier)):
-        return True
-    return hasattr(model, "adapt") and hasattr(model, "hf") and not getattr(model, "path", None)
