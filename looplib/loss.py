@@ -58,14 +58,37 @@ class TokenCrossEntropy:
         return {k: batch[k] for k in present if k in self.accepted[model]}
 
     def count(self, batch) -> int:
-        labels, ids = batch["labels"], batch.get("input_ids")
-        # (a batch of one repeated token is equal to its own shift: not a sign of the mistake)
-        if ids is not None and labels.shape == ids.shape and torch.equal(labels, ids) \
-                and bool((ids[..., 1:] != ids[..., :-1]).any()):
-            raise ConfigError("data", "the batch's labels equal its input_ids: they are not shifted to the next "
-                              "token, so the model would learn to copy its input",
-                              "make labels[t] = input_ids[t+1] (looplib.data.next_token_example)")
+        labels = batch["labels"]
+        refuse_unshifted(batch.get("input_ids"), labels, self.ignore_index, batch.get("position_ids"))
         return int((labels != self.ignore_index).sum())
+
+
+def refuse_unshifted(ids, labels, ignore_index: int = -100, positions=None) -> None:
+    """Refuse labels that are not shifted to the next token: equal to ``input_ids`` at every
+    position that carries a loss (the Hugging Face convention: ``labels`` = ``input_ids`` with the
+    prompt and padding masked to -100, shifted inside the model). Such labels would teach the model
+    to copy its input. It cannot misfire on shifted labels: ``labels[t] = ids[t+1]`` equals
+    ``ids[t]`` only where a token repeats, so at least one counted position t with
+    ``ids[t] != ids[t+1]`` is required (a batch of one repeated token is its own shift), within one
+    example (``positions``: packed examples' ``position_ids``; an example's last label is not the
+    next example's first token)."""
+    if ids is None or not torch.is_tensor(labels) or not torch.is_tensor(ids) or labels.shape != ids.shape \
+            or labels.dim() == 0 or labels.dtype.is_floating_point:
+        return
+    counted = labels != ignore_index
+    if not bool(torch.where(counted, labels == ids, True).all()):
+        return
+    changes = counted[..., :-1] & (ids[..., 1:] != ids[..., :-1])  # a counted position whose next token differs
+    if torch.is_tensor(positions) and positions.shape == ids.shape:
+        changes &= positions[..., 1:] == positions[..., :-1] + 1
+    if not bool(changes.any()):
+        return
+    every = bool(counted.all())
+    raise ConfigError("data", f"the batch's labels equal its input_ids{'' if every else f' wherever they are not {ignore_index}'}: "
+                      "the Hugging Face convention (labels unshifted, the model shifts them), but looplib's labels "
+                      "are already shifted (labels[t] = input_ids[t+1]), so the model would learn to copy its input",
+                      "shift them: labels[t] = labels[t+1] and -100 last (looplib.data.shift_labels(sample) does it), "
+                      "or build samples with looplib.data.next_token_example")
 
 
 class SequenceCrossEntropy(TokenCrossEntropy):

@@ -50,6 +50,9 @@ class FullModel:
     def check(self, engine, precision) -> None:
         """Refuse an engine or a precision this adapter cannot train under (build time)."""
 
+    def check_base(self, model: nn.Module) -> None:
+        """Refuse a base this adapter should not train on (build time, before it is wrapped)."""
+
     def loading(self):
         """The context the model is built in (QLoRA: a transformers model loads in 4 bits)."""
         return nullcontext()
@@ -74,14 +77,28 @@ class LoRA(FullModel):
 
     def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
                  target_modules: list[str] | tuple[str, ...] | None = None,
-                 bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False):
+                 bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False,
+                 allow_random_base: bool = False):
         if r < 1:
             raise ConfigError("peft.r", f"the LoRA rank must be at least 1 (got r={r})", "use e.g. peft.r=8")
         self.peft = import_peft()
         self.target_modules = None if target_modules is None else list(target_modules)
         self.config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, bias=bias)
         self.merge = merge
+        self.allow_random_base = allow_random_base  # true: adapters on a base never trained, knowingly
         self.adapted = None   # the peft model, once wrapped
+
+    def check_base(self, model):
+        """Adapters fine-tune a trained base: one looplib knows was never trained (random weights:
+        ``looplib.run.init_from.untrained``) is refused unless ``allow_random_base``."""
+        if self.allow_random_base or not untrained(model):
+            return
+        name = "qlora" if isinstance(self, QLoRA) else "lora"
+        raise ConfigError("peft", f"+peft={name} on a {type(model).__name__} that was never trained (its weights are "
+                          "the random initialisation): the adapter would fine-tune noise, and only the adapter is saved",
+                          "start from trained weights: model.init_from=RUN_DIR (a finished looplib run or one of its "
+                          "checkpoints; train_model(..., init_from=...)), or model=hf model.path=DIR; or say so: "
+                          "peft.allow_random_base=true (LoRA(allow_random_base=True))")
 
     def targets_for(self, model: nn.Module) -> list[str] | str:
         """The modules to adapt: ``target_modules`` as given, else the model's own defaults.
@@ -174,13 +191,13 @@ class QLoRA(LoRA):
     def __init__(self, r: Positive[int] = 8, alpha: Positive[float] = 16, dropout: Beta = 0.0,
                  target_modules: list[str] | tuple[str, ...] | None = None,
                  bias: Literal["none", "all", "lora_only"] = "none", merge: bool = False,
-                 quant_type: Literal["nf4", "fp4"] = "nf4", double_quant: bool = True):
+                 quant_type: Literal["nf4", "fp4"] = "nf4", double_quant: bool = True, allow_random_base: bool = False):
         import importlib.util
         missing = [name for name in ("peft", "bitsandbytes") if importlib.util.find_spec(name) is None]
         if missing:  # both named at once: not one install, then another refusal
             raise ConfigError("peft", f"+peft=qlora needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                               "not installed", "pip install 'looplib[peft,bnb]', or use +peft=lora (needs peft only)")
-        super().__init__(r, alpha, dropout, target_modules, bias, merge)
+        super().__init__(r, alpha, dropout, target_modules, bias, merge, allow_random_base)
         from .optim import import_bitsandbytes
         self.bnb = import_bitsandbytes("peft", "+peft=qlora", "use +peft=lora")
         self.quant_type, self.double_quant = quant_type, double_quant
@@ -243,6 +260,18 @@ class QLoRA(LoRA):
         if self.sharded and self.compute_dtype != torch.float32:
             frozen_in(model, self.compute_dtype)
         return super().wrap(model)
+
+
+def untrained(model: nn.Module) -> bool:
+    """True for a model looplib knows was built with random weights and never loaded any: the
+    bundled models (``looplib.models``) with no weights loaded, a transformers model built from a
+    config (no ``model.path``). Any other model: False (looplib cannot tell)."""
+    from .models import BertClassifier
+    if getattr(model, "weights_from", None):
+        return False
+    if isinstance(model, (GPT, BertClassifier)):
+        return True
+    return hasattr(model, "adapt") and hasattr(model, "hf") and not getattr(model, "path", None)
 
 
 def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

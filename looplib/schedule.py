@@ -1,7 +1,9 @@
 """Learning-rate schedules: the group ``schedule`` (``+schedule=cosine``, ``conf/schedule/``).
 
 A schedule holds its settings from the config and builds the scheduler once the optimizer
-exists (``build(optimizer, total_steps)``); ``factor(step, total_steps)`` multiplies the base lr.
+exists (``build(optimizer, total_steps)``); ``factor(step, total_steps)`` multiplies the base lr;
+``check(total_steps)`` refuses a schedule that cannot run its course in max_steps (a warm-up as long
+as the run) before anything is built (``looplib.run.assembly.check``; every way in meets it).
 """
 from __future__ import annotations
 
@@ -18,10 +20,29 @@ class Schedule:
     """Constant learning rate: the null schedule. ``factor(step)`` multiplies the base lr."""
 
     def build(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        self.check(total_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.factor(step, total_steps))
 
     def factor(self, step: int, total_steps: int) -> float:
         return 1.0
+
+    def check(self, total_steps: int) -> None:
+        """Refuse settings this schedule cannot run in ``total_steps`` (max_steps): nothing to refuse here."""
+
+
+def fits(warmup_steps: int, total_steps: int, decay_steps: int = 0) -> None:
+    """The rule every warm-up shares: it ends before max_steps (a run spent in warm-up never
+    reaches its lr nor decays), and it does not overlap the cool-down's last ``decay_steps``."""
+    if decay_steps and warmup_steps + decay_steps > total_steps:
+        raise ConfigError("schedule.warmup_steps", f"the warm-up ({warmup_steps} steps) and the cool-down "
+                          f"(the last {decay_steps} of max_steps={total_steps}) overlap",
+                          "lower schedule.warmup_steps or schedule.decay_fraction, or raise max_steps")
+    if warmup_steps >= total_steps:
+        raise ConfigError("schedule.warmup_steps", f"the warm-up ({warmup_steps} steps) is as long as the run or "
+                          f"longer (max_steps={total_steps}): the whole run would be spent in warm-up, the lr never "
+                          "reaching lr nor decaying",
+                          f"lower schedule.warmup_steps below max_steps (e.g. schedule.warmup_steps="
+                          f"{total_steps // 10}), or raise max_steps")
 
 
 Constant = Schedule
@@ -42,6 +63,9 @@ class WarmupCosine(Schedule):
         span = max(1, total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def check(self, total_steps):
+        fits(self.warmup_steps, total_steps)
 
 
 def warmup(step: int, warmup_steps: int) -> float | None:
@@ -64,6 +88,9 @@ class Linear(Schedule):
             return rising
         progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
         return self.min_ratio + (1 - self.min_ratio) * (1 - progress)
+
+    def check(self, total_steps):
+        fits(self.warmup_steps, total_steps)
 
 
 # the cool-down's shapes: the fraction of the way from min_ratio to 1, at progress p (0 -> 1)
@@ -98,13 +125,8 @@ class WSD(Schedule):
         """The cool-down's length: ``decay_fraction`` of max_steps, rounded (at least 1 when above 0)."""
         return max(1, round(self.decay_fraction * total_steps)) if self.decay_fraction else 0
 
-    def build(self, optimizer, total_steps):
-        decay = self.decay_steps(total_steps)
-        if self.warmup_steps + decay > total_steps:
-            raise ConfigError("schedule.warmup_steps", f"the warm-up ({self.warmup_steps} steps) and the cool-down "
-                              f"(the last {decay} of max_steps={total_steps}) overlap",
-                              "lower schedule.warmup_steps or schedule.decay_fraction, or raise max_steps")
-        return super().build(optimizer, total_steps)
+    def check(self, total_steps):
+        fits(self.warmup_steps, total_steps, self.decay_steps(total_steps))
 
     def factor(self, step, total_steps):
         rising = warmup(step, self.warmup_steps)

@@ -39,11 +39,11 @@ GPT2 = ["model=gpt2_small", "data=random", "data.vocab_size=50257", "batch_size=
 SMALL = ["model=tiny", "data=random", "model.n_layer=2", "model.d_model=64", "model.seq_len=64", "batch_size=8"]
 ROWS = {  # name: (label, job, overrides)
     "qlora8b": ("Llama-3-8B-shaped, QLoRA (NF4, double quant), blocks, seq 2048 x 1, bf16",
-                LLAMA3_8B, ["+peft=qlora", "+checkpointing=blocks"]),
+                LLAMA3_8B, ["+peft=qlora", "peft.allow_random_base=true", "+checkpointing=blocks"]),
     "qlora8b_offload": ("Llama-3-8B-shaped, QLoRA, offload, seq 2048 x 1, bf16",
-                        LLAMA3_8B, ["+peft=qlora", "+checkpointing=offload"]),
+                        LLAMA3_8B, ["+peft=qlora", "peft.allow_random_base=true", "+checkpointing=offload"]),
     "qlora8b_fsdp": ("Llama-3-8B-shaped, QLoRA under FSDP2 on one device (torchrun, 1 process), blocks, seq 2048 x 1, "
-                     "bf16", LLAMA3_8B, ["+peft=qlora", "+checkpointing=blocks", "+engine=fsdp"]),
+                     "bf16", LLAMA3_8B, ["+peft=qlora", "peft.allow_random_base=true", "+checkpointing=blocks", "+engine=fsdp"]),
     "none": ("GPT-2 small, bf16, batch 8 x 1024, no checkpointing", GPT2, []),
     "blocks": ("GPT-2 small, +checkpointing=blocks", GPT2, ["+checkpointing=blocks"]),
     "selective": ("GPT-2 small, +checkpointing=selective", GPT2, ["+checkpointing=selective"]),

@@ -146,3 +146,35 @@ def test_the_same_job_both_ways_with_each_ones_defaults_trains_bit_for_bit(tmp_p
     assert "lr" not in saved and "weight_decay" not in saved and saved["optim"]["lr"] == typed["optim"]["lr"] == 2e-3
     assert {k: saved[k] for k in saved if not isinstance(saved[k], dict)} == \
         {k: typed[k] for k in typed if not isinstance(typed[k], dict) and k not in ("lr", "weight_decay")}
+
+
+class HFConvention(torch.utils.data.Dataset):
+    """Samples as the HF Trainer and TRL make them: labels = input_ids, the prompt masked to -100, unshifted."""
+
+    def __init__(self, n=32, seq_len=16, vocab=64, prompt=5, shift=False):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+        self.prompt, self.shift = prompt, shift
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        from looplib.data import shift_labels
+        labels = self.ids[i].clone()
+        labels[:self.prompt] = -100
+        sample = {"input_ids": self.ids[i], "labels": labels}
+        return shift_labels(sample) if self.shift else sample
+
+
+def test_hf_convention_labels_are_refused_before_anything_is_written(tmp_path):
+    import pytest
+    from looplib import ConfigError
+    with pytest.raises(ConfigError, match="Hugging Face convention") as err:
+        train_model(tiny_gpt(), HFConvention(), max_steps=3, batch_size=4, device="cpu", run_dir=tmp_path / "run")
+    assert "\n" not in str(err.value) and "shift_labels" in str(err.value) and err.value.status == 2
+    assert not (tmp_path / "run").exists()  # refused before a byte was written
+    # shifted with looplib.data.shift_labels, the same samples train (labels[t] = input_ids[t+1] where counted)
+    data = HFConvention(shift=True)
+    assert torch.equal(data[0]["labels"][4:-1], data[0]["input_ids"][5:]) and data[0]["labels"][-1] == -100
+    assert train_model(tiny_gpt(), data, max_steps=2, batch_size=4, device="cpu").state.step == 2

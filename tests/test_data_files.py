@@ -17,7 +17,7 @@ from looplib.schedule import WarmupCosine
 from looplib.accumulation import Accumulation
 from looplib.data.cache import load
 from looplib.data import (ClassificationCorpus, Epochs, InstructCorpus, RandomCorpus, TextCorpus, build_loader,
-                          next_token_example)
+                          next_token_example, shift_labels)
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
@@ -397,6 +397,15 @@ def test_unshifted_labels_are_refused():
     assert "\n" not in str(err.value)
     same = torch.full((1, 9), 7)  # one repeated token: equal to its own shift, rightly
     assert TokenCrossEntropy().count({"input_ids": same, "labels": same}) == 9
+    hf = ids.clone()
+    hf[:, :4] = -100  # the Hugging Face convention: the prompt masked, the rest unshifted
+    with pytest.raises(ConfigError, match="Hugging Face convention.*shift_labels"):
+        TokenCrossEntropy().count({"input_ids": ids, "labels": hf})
+    assert TokenCrossEntropy().count({"input_ids": ids, "labels": shift_labels({"labels": hf})["labels"]}) == 2 * 5
+    # two packed examples of one repeated token each: shifted rightly, though each label equals its input
+    packed = {"input_ids": torch.tensor([[3, 3, 3, 5, 5, 5]]), "labels": torch.tensor([[3, 3, 3, 5, 5, 5]]),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    assert TokenCrossEntropy().count(packed) == 6
 
 
 def fifo(path):

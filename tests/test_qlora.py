@@ -24,7 +24,7 @@ pytestmark = needs_bnb
 
 def qlora(**settings):
     from looplib.peft import QLoRA
-    return QLoRA(**{"r": 4, "alpha": 8, **settings})
+    return QLoRA(**{"r": 4, "alpha": 8, "allow_random_base": True, **settings})
 
 
 def losses(path):

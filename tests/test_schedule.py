@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from looplib.errors import ConfigError
-from looplib.schedule import WSD, Linear
+from looplib.schedule import WSD, Linear, WarmupCosine
 
 
 @pytest.mark.parametrize("shape, cool", [("linear", lambda p: 1 - p), ("cosine", lambda p: (1 + math.cos(math.pi * p)) / 2),
@@ -45,3 +45,37 @@ def test_the_docs_picture_is_drawn_from_the_classes(tmp_path):
     assert plot.plot(tmp_path / "s.png", 50).read_bytes()[:4] == b"\x89PNG"
     assert "![the schedules' shapes](schedules.png)" in (REPO / "docs" / "command-line.md").read_text()
     assert (REPO / "docs" / "schedules.png").exists()
+
+
+@pytest.mark.parametrize("schedule", [WarmupCosine(), Linear(), WSD(decay_fraction=0.0), WarmupCosine(warmup_steps=10)])
+def test_a_warm_up_as_long_as_the_run_is_refused_by_every_schedule_with_one(schedule):
+    with pytest.raises(ConfigError) as err:
+        schedule.check(10)
+    assert err.value.key == "schedule.warmup_steps" and "whole run would be spent in warm-up" in str(err.value)
+    with pytest.raises(ConfigError):  # building it directly meets the same rule
+        schedule.build(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1), 10)
+    schedule.check(schedule.warmup_steps + 1)  # one step past the warm-up: accepted
+
+
+@pytest.mark.parametrize("args", [["+schedule=cosine", "max_steps=10"],
+                                  ["+schedule=linear", "schedule.warmup_steps=50", "max_steps=40"]])
+def test_the_command_line_refuses_a_run_spent_in_warm_up(tmp_path, args):
+    from conftest import run_cli
+    r = run_cli("data=random", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("looplib: error: schedule.warmup_steps: the warm-up") and \
+        "lower schedule.warmup_steps below max_steps" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_to_fewer_steps_than_the_warm_up_is_refused(tmp_path):
+    from looplib import train_model
+    from conftest import random_tokens, tiny_gpt
+    data = random_tokens(n=16)
+    train_model(tiny_gpt(), data, max_steps=8, batch_size=4, schedule=WarmupCosine(warmup_steps=5), device="cpu",
+                run_dir=tmp_path / "a", checkpoint_every=2, keep=10, sample_tokens=0)
+    with pytest.raises(ConfigError, match="schedule.warmup_steps: the warm-up .5 steps.*max_steps=4"):
+        train_model(tiny_gpt(), data, max_steps=4, batch_size=4, schedule=WarmupCosine(warmup_steps=5), device="cpu",
+                    run_dir=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step-00000002")
+    assert not (tmp_path / "b").exists()

@@ -188,3 +188,22 @@ def test_hydras_nevergrad_sweeper_receives_each_jobs_objective(tmp_path):
     from omegaconf import OmegaConf
     best = OmegaConf.load(sweep / "optimization_results.yaml").best_evaluated_result
     assert best == min(final(sweep / str(n))[0] for n in range(2))
+
+
+def test_a_search_whose_metric_cannot_exist_is_refused_before_any_trial(tmp_path):
+    """eval_samples=0 turns the held-out evaluation off: the default sweep.metric (eval_loss) would never be
+    logged, and every trial would train to its end and fail. Refused in one line, nothing written."""
+    sweep = tmp_path / "sweep"
+    quick = [a for a in QUICK if not a.startswith("eval_samples=")]
+    r = run_cli("-m", "hydra/sweeper=optuna", "lr=tag(log, interval(1e-4, 1e-2))", "hydra.sweeper.n_trials=2",
+                *quick, "eval_samples=0", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 2 and r.stderr == (
+        "looplib: error: sweep.metric: sweep.metric=eval_loss comes from the held-out evaluation, which eval_samples=0 "
+        "turns off: every trial would train to its end without it; give eval_samples (e.g. eval_samples=64, or "
+        "null: the whole held-out split), or search another metric (e.g. sweep.metric=loss)\n"), r.stderr
+    assert not sweep.exists()
+    # a metric every run logs is searched as asked
+    r = run_cli("-m", "hydra/sweeper=optuna", "lr=choice(1e-3)", "hydra.sweeper.n_trials=1", "sweep.metric=loss",
+                *quick, "eval_samples=0", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert [t.state.name for t in study_of(sweep).get_trials()] == ["COMPLETE"]

@@ -509,10 +509,38 @@ def test_selective_checkpointing_and_offload_are_measured_like_blocks(searched):
 def test_qlora_is_searched_with_numerics_allowed_and_checked_against_the_jobs_loss(tmp_path):
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    r, result = tune(tmp_path, "q", *TINY, "batch_size=4", "tune.search=[peft]", "tune.numerics=allow",
-                     "tune.steps=1", "tune.repeats=1", "tune.fresh=true")
+    pre = run_cli(*TINY, "max_steps=1", "batch_size=4", "sample_tokens=0", f"hydra.run.dir={tmp_path / 'pre'}",
+                  cwd=tmp_path, env={**ENV, "LOOPLIB_CACHE": str(tmp_path / "cache")})
+    assert pre.returncode == 0, pre.stderr  # QLoRA adapts a trained base: a run's weights (model.init_from)
+    r, result = tune(tmp_path, "q", *TINY, f"model.init_from={tmp_path / 'pre'}", "batch_size=4", "tune.search=[peft]",
+                     "tune.numerics=allow", "tune.steps=1", "tune.repeats=1", "tune.fresh=true")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert result["dimensions"] == {"peft": ["none", "qlora"]}
     row = next(x for x in result["rows"] if x["candidate"] == "peft=qlora")
     assert row["overrides"] == ["+peft=qlora"] and row["planned_mem_mb"] is not None
     assert row["status"] in ("measured", "diverged") and row["loss_delta"] is not None  # its loss against the job's
+
+
+def test_a_job_with_a_warm_up_longer_than_the_runs_in_small_is_measured(tmp_path):
+    """The runs in small (tune.steps x repeats) are shorter than the job's warm-up, which a run
+    refuses (schedule.warmup_steps): they run with the warm-up at 0 (the lr does not change a step's time)."""
+    r, result = tune(tmp_path, "w", *TINY, "batch_size=2", "max_steps=200", "+schedule=wsd", "schedule.warmup_steps=30",
+                     "tune.search=[batch]", *BARE)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert result["rows"] and all(row["status"] == "measured" for row in result["rows"]), result["rows"]
+    assert "schedule.warmup_steps=30" in result["best"]["command"]  # the job as given keeps its own warm-up
+
+
+def test_a_model_from_random_weights_gets_no_adapter_candidates():
+    """+peft=qlora on a base never trained is refused by the run (peft.allow_random_base): tune offers
+    it only for a job whose model starts from trained weights."""
+    import torch
+    from looplib.run.settings import Settings
+    from looplib.tune.settings import Tune
+    from looplib.tune.space import build_space, has
+    if not (has("peft") and has("bitsandbytes")):
+        pytest.skip("QLoRA needs peft and bitsandbytes")
+    args = (Tune(search=["peft"], numerics="allow"), [], Settings(), torch.device("cpu"), 1,
+            "looplib.loss.TokenCrossEntropy", set())
+    assert build_space(*args).options == {"peft": ["none", "qlora"]}
+    assert build_space(*args, trained_base=False).options == {}

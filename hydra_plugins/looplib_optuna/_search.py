@@ -134,6 +134,12 @@ class StudySearch:
         self.max_failure_rate = float(max_failure_rate)
         self.space, self.fixed = self.search_space(list(arguments) + [f"{k}={v}" for k, v in (params or {}).items()])
         self.given = self.conditional_ranges()  # key -> (the choice it follows, {option: distribution})
+        if not any(name.lstrip("+~") == "eval_samples" for name in self.space):  # the metric can exist at all
+            try:
+                job_sweep.check_job(OmegaConf.select(config, "eval_samples", default=None,
+                                                     throw_on_resolution_failure=False))
+            except ConfigError as err:
+                refuse(err.key, err.problem, err.fix)
         self.sampler_node = OmegaConf.to_container(sampler, resolve=True) if sampler is not None else {
             "_target_": "optuna.samplers.TPESampler"}
         self.sampler = self.make_sampler(0)

@@ -109,7 +109,10 @@ def check_group(cfg: DictConfig, group: str) -> None:
         with open_dict(cfg):
             for name in sorted(shared):
                 cfg[group][name] = f"${{{name}}}"
-    check_options(f"{group}.", target, resolved(cfg, group), origin(group, target_path))
+    options = resolved(cfg, group)
+    if group == "model":
+        options.pop("init_from", None)  # looplib's own key of every model group (looplib.run.init_from), not an argument
+    check_options(f"{group}.", target, options, origin(group, target_path))
 
 
 def locate(group: str, target_path: Any) -> Any:
@@ -150,6 +153,8 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
     if node is None or "_target_" not in node:
         raise ConfigError(group, f"the {group} config has no _target_", f"add {group}._target_=package.Class")
     target = resolved(cfg, group)["_target_"]
+    if group == "model" and "init_from" in node:  # looplib's own key (looplib.run.init_from), not an argument
+        node = {k: v for k, v in resolved(cfg, group).items() if k != "init_from"}
     try:
         return hydra.utils.instantiate(node, _convert_="all", **runtime)  # plain dicts and lists, never DictConfig
     except InstantiationException as err:

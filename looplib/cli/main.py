@@ -25,6 +25,7 @@ from ..loggers import Loggers
 from ..peft import FullModel
 from ..run import rundir
 from ..run.assembly import Job, Parts, Record
+from ..run.init_from import init_from
 from ..run.lifecycle import assemble, execute
 from ..run.lock import DirectoryHeld
 from ..run.settings import NOT_ARGUMENTS, Settings
@@ -47,7 +48,10 @@ def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
         torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
         data = instantiate(cfg, "data")
         with (built.get("peft") or FullModel()).loading():  # QLoRA: a transformers model loads in 4 bits
-            return {"data": data, "model": instantiate(cfg, "model")}
+            model = instantiate(cfg, "model")
+        if cfg.model.get("init_from"):  # a finished run's weights, only them (looplib.run.init_from)
+            init_from(model, str(cfg.model.init_from))
+        return {"data": data, "model": model}
 
     return Parts(later, logger=trackers, **built), settings, record(cfg)
 
@@ -84,6 +88,9 @@ def used(cfg: DictConfig) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     raw = OmegaConf.to_container(cfg, resolve=False)
     text = str({k: v for k, v in raw.items() if k not in NOT_ARGUMENTS})  # every other value, nested ones too
+    model = config.get("model")
+    if isinstance(model, dict) and model.get("init_from", "") is None:
+        del model["init_from"]  # not asked for: the model's node stays its class's arguments (hydra.utils.instantiate)
     return {k: v for k, v in config.items() if k not in NOT_ARGUMENTS or re.search(r"\$\{[^}]*\b%s\b" % k, text)}
 
 

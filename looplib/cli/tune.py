@@ -116,7 +116,12 @@ def describe(job: list[str]) -> Job:
     """The job composed by Hydra and checked, with the planner that composes each candidate."""
     from .instantiate import check_config
     cfg = compose(job)
-    return Job(job, check_config(cfg), str(cfg.loss.get("_target_", "")), planner)
+    warmup = "warmup_steps" in (cfg.get("schedule") or {})  # the runs in small are shorter than the warm-up
+    model = cfg.get("model") or {}
+    random = str(model.get("_target_", "")).startswith(("looplib.models.", "looplib.hf.")) \
+        and not model.get("path") and not model.get("init_from")  # looplib.run.init_from.untrained, from the config
+    return Job(job, check_config(cfg), str(cfg.loss.get("_target_", "")), planner,
+               ["schedule.warmup_steps=0"] if warmup else [], trained_base=not random)
 
 
 def run(argv: list[str]) -> int:

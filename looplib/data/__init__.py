@@ -17,11 +17,12 @@ from .pysource import PythonSource, python_files
 from .records import ClassificationCorpus, InstructCorpus
 from .synthetic import RandomCorpus, RandomTokens
 from .loading import EpochSampler, Epochs, HeldOut, build_loader, held_out
-from .packing import IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example
+from .packing import (IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example,
+                      shift_labels)
 
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "HeldOut", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
            "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "held_out",
-           "next_token_example",
+           "next_token_example", "shift_labels",
            "python_files"]

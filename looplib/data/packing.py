@@ -23,6 +23,15 @@ def next_token_example(ids, target=None) -> dict:
     return {"input_ids": ids[:-1], "labels": labels}
 
 
+def shift_labels(sample: dict, ignore_index: int = IGNORE) -> dict:
+    """A sample in the Hugging Face convention (``labels`` = ``input_ids`` with the prompt and
+    padding masked to ``ignore_index``, shifted inside the model) made looplib's: ``labels[t] =
+    labels[t+1]``, ``ignore_index`` last (the last token has no next one); the rest unchanged."""
+    labels = torch.as_tensor(sample["labels"])
+    shifted = torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], ignore_index)], dim=-1)
+    return {**sample, "labels": shifted}
+
+
 class TokenChunks(Dataset):
     """Consecutive, non-overlapping windows of an in-memory token tensor: inputs and next-token labels."""
 

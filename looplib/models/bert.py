@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..schema import Beta, Positive
-from .gpt import Block, check_heads, init_weights
+from .gpt import Block, check_heads, init_weights, weights_loaded
 
 
 class BertClassifier(nn.Module):
@@ -36,6 +36,7 @@ class BertClassifier(nn.Module):
         self.pooler = nn.Linear(d_model, d_model)
         self.classifier = nn.Linear(d_model, num_classes)
         self.apply(init_weights)
+        weights_loaded(self)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,6 +75,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, padded, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one matrix, counted once
+        weights_loaded(self)
         self.apply(init_weights)
         for block in self.blocks:  # GPT-2's scaled init of the residual projections
             for proj in (block.attn.proj, block.mlp[2]):
@@ -126,6 +127,17 @@ class GPT(nn.Module):
             if stop is not None and bool(done.all()):  # a host sync per token: only when asked to stop
                 break
         return ids
+
+
+def weights_loaded(model: nn.Module) -> None:
+    """``model.weights_from``: None while the weights are as initialised (random), else where they
+    were loaded from (``looplib.run.init_from``, or "load_state_dict"): LoRA refuses an untrained base."""
+    model.weights_from = None
+    model.register_load_state_dict_post_hook(mark_loaded)
+
+
+def mark_loaded(module: nn.Module, _keys) -> None:
+    module.weights_from = module.weights_from or "load_state_dict"
 
 
 def init_weights(module: nn.Module) -> None:

@@ -47,6 +47,7 @@ from ..peft import FullModel
 from ..precision import Precision
 from ..schedule import Schedule
 from .assembly import Parts, Record, Trained
+from .init_from import init_from as load_weights
 from .launcher import engine_for
 from .lifecycle import execute
 from .rundir import check as check_run_dir
@@ -84,11 +85,13 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
                 metrics: str | Path | None = None, log_every: int = S.log_every, max_bad_steps: int = S.max_bad_steps,
                 sample_tokens: int = SAMPLE_TOKENS, peak_tflops: float | None = S.peak_tflops,
                 progress: str = S.progress, loader: dict[str, Any] | None = None, collate_fn=None,
-                **more: Any) -> Trained:
+                init_from: str | Path | None = None, **more: Any) -> Trained:
     """Train ``model`` on ``dataset`` (a dataset of dict samples, or a ``looplib.data.Corpus``
     such as ``TextCorpus``) with the given strategies (one per config group: ``looplib.groups``).
     ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
-    DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``checkpoint_every``:
+    DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``init_from``: a finished
+    run's directory (or one of its checkpoints) whose weights ``model`` starts from, only them
+    (``model.init_from``, ``looplib.run.init_from``); ``checkpoint_every``:
     steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
     ``checkpoint_async``: written in the background while training goes on (``checkpoint.async=true``);
     ``sample_tokens``: left as it is, the command line's sample at the end where the data can
@@ -145,7 +148,12 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
 
     def make() -> tuple[Parts, Settings, Record]:
         parts.fill(settings)  # the null objects, so that config.yaml names every part's class
-        return parts, settings, record(settings, parts, run_dir)
+        if init_from is not None:
+            load_weights(model, init_from)  # a finished run's weights, only them (model.init_from)
+        made = record(settings, parts, run_dir)
+        if init_from is not None:
+            made.config["model"]["init_from"] = str(init_from)
+        return parts, settings, made
 
     signals = Signals()
     try:

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..groups import groups
+from ..loss import TokenCrossEntropy, refuse_unshifted
 from ..train_state import TrainState
 from . import autobatch
 from .checkpoint_dir import config_text
@@ -121,6 +122,27 @@ def check_sequences_fit(corpus: Any, model: Any) -> None:
                           "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
 
 
+def check_labels(corpus: Any, objective: Any, samples: int = 8) -> None:
+    """Labels in the Hugging Face convention (unshifted) would train a copier: refused on the first
+    training samples, before anything is written (``looplib.loss.refuse_unshifted``; every batch is
+    checked again as it is counted). Data whose samples are not dicts of ids is not asked."""
+    if not isinstance(objective, TokenCrossEntropy):
+        return
+    try:
+        first = [corpus.train[i] for i in range(min(samples, len(corpus.train)))]
+    except (AttributeError, IndexError, KeyError, TypeError, NotImplementedError):
+        return
+    for sample in first:
+        if isinstance(sample, dict) and "labels" in sample and "input_ids" in sample:
+            try:
+                ids, labels = torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["labels"])
+            except (TypeError, ValueError, RuntimeError):
+                return
+            positions = sample.get("position_ids")
+            refuse_unshifted(ids, labels, objective.ignore_index,
+                             torch.as_tensor(positions) if positions is not None else None)
+
+
 def model_name(model: nn.Module) -> str:
     """The model as the user chose it: its class, and the transformers class inside looplib's
     wrapper (``CausalLM (LlamaForCausalLM)``)."""
@@ -144,6 +166,9 @@ def check(parts: Parts, settings: Settings) -> None:
     parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
     if settings.batch_size != "auto":  # auto's accumulation is checked once chosen (build)
         parts.compile.check_accumulation(settings.accum_steps)  # CUDA graphs: one backward per step
+    schedule_check = getattr(parts.schedule, "check", None)  # a warm-up as long as the run: refused
+    if schedule_check is not None:
+        schedule_check(settings.max_steps)
     parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
     optim_check = getattr(parts.optim, "check", None)  # an optimizer may refuse an adapter (Muon: LoRA)
     if optim_check is not None:
@@ -160,6 +185,10 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     if check_data is not None:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
+    check_labels(parts.data, parts.objective)
+    check_base = getattr(parts.peft, "check_base", None)  # LoRA on a model never trained: refused unless said
+    if check_base is not None:
+        check_base(parts.model)
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)

@@ -190,7 +190,7 @@ def load_bundled(where: Path, device: torch.device, model: nn.Module | None = No
         raise ConfigError("RUN_DIR", f"{where} holds a QLoRA checkpoint, whose 4-bit base is not in its weights",
                           "continue the run to its end (resume=auto): it then exports its adapter (hf/)")
     try:
-        model = build(config["model"]) if model is None else model
+        model = build({k: v for k, v in config["model"].items() if k != "init_from"}) if model is None else model
         if peft.get("_target_") and not str(peft["_target_"]).endswith(".FullModel"):
             model = build(peft).wrap(model)  # a LoRA run's checkpoint holds the wrapped model's weights
         load_model(model, str(where / "model.safetensors"))

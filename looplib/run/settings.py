@@ -61,6 +61,16 @@ class Sweep:
                               "metrics" + (f" (did you mean {near[0]}?)" if near else ""),
                               "use one of " + ", ".join(SWEEP_METRICS))
 
+    def check_job(self, eval_samples: Any) -> None:
+        """Refuse a search whose metric no trial can log: an ``eval_*`` metric with the held-out
+        evaluation off (``eval_samples=0``). Every trial would train to its end and fail. (With
+        ``eval_every=0`` the run still evaluates once, at its end: the metric exists.)"""
+        if self.metric.startswith("eval_") and eval_samples == 0 and not isinstance(eval_samples, bool):
+            raise ConfigError("sweep.metric", f"sweep.metric={self.metric} comes from the held-out evaluation, which "
+                              "eval_samples=0 turns off: every trial would train to its end without it",
+                              "give eval_samples (e.g. eval_samples=64, or null: the whole held-out split), or "
+                              "search another metric (e.g. sweep.metric=loss)")
+
 
 @dataclass
 class Settings:

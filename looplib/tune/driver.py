@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +34,10 @@ class Job:
     loss: str                     # the loss's _target_ (the chunked loss is a candidate only for the default)
     # (job overrides, space, processes) -> planned bytes per rank of a candidate (None: cannot say)
     planner: Callable[[list[str], Space, int], Callable[[Candidate], int | None]]
+    # overrides every measuring run adds (a schedule's warm-up set to 0: the job in small is shorter
+    # than its warm-up, which a run refuses; the lr's value does not change a step's time)
+    measuring: list[str] = field(default_factory=list)
+    trained_base: bool = True     # False: the model starts from random weights (no adapter candidates)
 
 
 def run(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callable[[list[str]], Job]) -> int:
@@ -155,7 +159,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
     settings = job.settings
     device = resolve_device(settings.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    space = build_space(tune, job_overrides, settings, device, size, job.loss, pinned(job_overrides))
+    space = build_space(tune, job_overrides, settings, device, size, job.loss, pinned(job_overrides), job.trained_base)
     limit, memory = memory_limit(tune, device)
     run_dir = run_dir.absolute()
     if world:
@@ -172,6 +176,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
             finish(result, run_dir)
         return 0
     measured_job = job_without_measurement(job_overrides)
+    measured_job = [*without(measured_job, job.measuring), *job.measuring]
     job_plan = JobPlan.of(settings)
     signals = Signals().__enter__()  # SIGTERM, SIGUSR1, Ctrl-C: the running candidate goes, the rows are written
     if world:

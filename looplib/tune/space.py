@@ -125,9 +125,10 @@ def device_options(device: torch.device, world: int, loss_target: str) -> dict[s
 
 
 def build_space(tune: Tune, job: list[str], settings, device: torch.device, world: int, loss_target: str,
-                pinned: set[str]) -> Space:
+                pinned: set[str], trained_base: bool = True) -> Space:
     """The dimensions searched: those the device runs, less the pinned ones, restricted by
-    ``tune.search`` and ``tune.options``."""
+    ``tune.search`` and ``tune.options``. ``trained_base``: False for a model that starts from
+    random weights, whose job no adapter (QLoRA) may train (``looplib.peft``)."""
     if settings.batch_size == "auto":
         global_batch = settings.global_batch_size
         job_batch = (0, 0)
@@ -139,6 +140,8 @@ def build_space(tune: Tune, job: list[str], settings, device: torch.device, worl
                           f"use a multiple of {world}")
     space = Space(global_batch // world, job_batch, resets_global_batch=settings.global_batch_size is not None)
     available = device_options(device, world, loss_target)
+    if not trained_base:
+        available.pop("peft", None)  # adapters on a random base: refused by the run (peft.allow_random_base)
     wanted = list(tune.search) if tune.search is not None else [d for d in DIMENSIONS if d in available or d == "batch"]
     for dim in wanted:
         if dim in pinned or (dim == "optim_impl" and "optim" in pinned) or (dim in NUMERICS and tune.numerics != "allow"):
@@ -161,6 +164,8 @@ def build_space(tune: Tune, job: list[str], settings, device: torch.device, worl
         if dim not in space.options:
             why = ("pinned on the command line" if dim in pinned else "not searched (tune.search)" if dim not in wanted
                    else "searched only with tune.numerics=allow" if dim in NUMERICS and tune.numerics != "allow"
+                   else "not available for a model that starts from random weights (give model.init_from or "
+                   "model.path)" if dim == "peft" and not trained_base
                    else "not available here (engines need several processes: torchrun)")
             raise ConfigError(f"tune.options.{dim}", f"{dim} is {why}", f"drop tune.options.{dim}")
     return space
