@@ -113,3 +113,67 @@ def test_a_python_run_that_ends_before_training_leaves_no_directory_behind(tmp_p
     with pytest.raises(NothingToDo, match=f"the checkpoint {step} is at step 2 already"):
         train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=tmp_path / "b", resume=step)
     assert not (tmp_path / "b").exists()
+
+
+def not_a_lock(kind: str, path, outside):
+    """Put something other than a lock file at ``path`` (issue 43)."""
+    if kind == "symlink to a file":
+        outside.write_text("precious\n")
+        path.symlink_to(outside)
+    elif kind == "dangling symlink":
+        path.symlink_to(outside)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "hard link":
+        outside.write_text("precious\n")
+        os.link(outside, path)
+
+
+NOT_A_LOCK = ["symlink to a file", "dangling symlink", "directory", "fifo", "hard link"]
+SAID = {"symlink to a file": "a symbolic link (to {outside})", "dangling symlink": "a symbolic link (to {outside})",
+        "directory": "a directory", "fifo": "a FIFO", "hard link": "a regular file with 2 names"}
+
+
+def tree(root):
+    """Every path under ``root`` with what it is (a link's target, a file's bytes)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = (os.readlink(p) if p.is_symlink() else "fifo" if p.is_fifo()
+                                         else "dir" if p.is_dir() else p.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kind", NOT_A_LOCK)
+def test_something_other_than_a_lock_file_at_the_lock_path_is_refused_before_hydra_writes(tmp_path, kind):
+    """``.looplib.lock`` is opened without following a link and must be a regular file of its own:
+    a link (to a file outside, or dangling), a directory, a FIFO or a hard link there is refused in
+    one line, exit 2, and nothing is written: not the file it leads to, not the earlier run's
+    ``.hydra/``, not the thing itself (it was followed and truncated, made, or raised a traceback)."""
+    from conftest import run_cli
+    args = [a for a in JOB if not a.startswith(("max_steps", "checkpoint.every"))] + ["max_steps=2"]
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    assert run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    not_a_lock(kind, run_dir / lock.LOCK_NAME, outside)
+    before = tree(tmp_path)
+    r = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert said == [f"looplib: error: hydra.run.dir: {run_dir / lock.LOCK_NAME} is "
+                    f"{SAID[kind].format(outside=outside)}" + said[0].split(SAID[kind].format(outside=outside), 1)[1]]
+    assert "not looplib's lock file" in said[0] and said[0].endswith("or give another directory (hydra.run.dir=...)")
+    assert tree(tmp_path) == before  # .hydra/ included, and the file outside (or its absence)
+
+
+@pytest.mark.parametrize("kind", ["symlink to a file", "fifo"])
+def test_train_model_refuses_what_is_not_a_lock_file(tmp_path, kind):
+    """The same rule for ``train_model`` (it holds its directory in ``looplib.run.lock`` too)."""
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir.mkdir()
+    not_a_lock(kind, run_dir / lock.LOCK_NAME, outside)
+    before = tree(tmp_path)
+    with pytest.raises(lock.NotALock) as err:
+        train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=run_dir, sample_tokens=0)
+    assert err.value.status == 2 and str(err.value).startswith(f"run_dir: {run_dir / lock.LOCK_NAME} is ")
+    assert tree(tmp_path) == before and not lock.holds(run_dir)

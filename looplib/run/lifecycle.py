@@ -26,7 +26,7 @@ from ..data.identity import expecting
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, PeerRefused, RunEnded,
                       SaveError, disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
-from .lock import DirectoryHeld, hold, holds, release
+from .lock import DirectoryHeld, NotALock, hold, holds, release
 from .resume import expected_identity, plan
 from .rundir import forget, results
 from .settings import Settings
@@ -117,10 +117,10 @@ def hold_for_ranks(engine, run_dir: Path, key: str) -> list[Path]:
         try:
             hold(run_dir, key)
         except DirectoryHeld as err:
-            refusal = (err.key, err.problem, err.fix)
+            refusal = (err.key, err.problem, err.fix, isinstance(err, NotALock))
     refusal = engine.from_main(refusal)
     if refusal is not None:
-        raise DirectoryHeld(*refusal)
+        raise (NotALock if refusal[3] else DirectoryHeld)(*refusal[:3])
     return [run_dir] if engine.is_main else []
 
 
