@@ -74,7 +74,7 @@ def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path
                 metrics = fresh_file(metrics)
             # the checkpoint to continue from, and the split of its global batch on these processes:
             # settled before the data, the model or the engine exist (a refusal costs nothing)
-            resumed = plan(parts.engine, settings, record, run_dir)
+            resumed = plan(parts.engine, settings, record, run_dir, export)
             taken = str(resumed.path) if resumed is not None and resumed.path is not None else None
             with expecting(expected_identity(taken, run_dir)):  # data changed under a resume: refused early
                 parts.build_later()

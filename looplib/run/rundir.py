@@ -95,6 +95,14 @@ def continued(overrides: list[str]) -> list[str]:
     return [*map(shlex.quote, merged.values()), "resume=auto"]
 
 
+EXPORTS = ("model.safetensors", "adapter", "hf")  # what a finished run exports (one of them), each written whole
+
+
+def exported(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` wrote its weights (each export is written beside and renamed)."""
+    return any((Path(run_dir) / name).exists() for name in EXPORTS)
+
+
 def artefacts(run_dir: Path) -> dict[str, str]:
     """What the run left for people to use, by name, where it exists."""
     out = {}
@@ -110,7 +118,8 @@ def artefacts(run_dir: Path) -> dict[str, str]:
 
 def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, int] | None:
     """The most recent run directory under ``root`` whose newest valid checkpoint can still be
-    continued (its step below ``max_steps``, or, not given, below the run's own), and its step."""
+    continued (its step below ``max_steps``, or, not given, below the run's own; or at it, where the
+    run never wrote its weights), and its step."""
     from .checkpoint_dir import is_valid, read_config
     runs = {p.parent for depth in ("*/checkpoints", "*/*/checkpoints") for p in root.glob(depth) if p.is_dir()}
     for run in sorted(runs, key=lambda p: (p / "checkpoints").stat().st_mtime, reverse=True):
@@ -121,8 +130,8 @@ def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, in
                     goal = max_steps or int(read_config(step / "config.yaml").get("max_steps", 0))
                 except (ValueError, TypeError):
                     goal = 0
-                if int(digits or 0) < goal:
-                    return run, int(digits or 0)
+                if int(digits or 0) < goal or (int(digits or 0) == goal and not exported(run)):
+                    return run, int(digits or 0)  # (at its end without its weights: resume=auto writes them)
                 break  # its newest checkpoint is its end: a finished run, nothing to continue
     return None
 
