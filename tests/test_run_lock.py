@@ -177,3 +177,32 @@ def test_train_model_refuses_what_is_not_a_lock_file(tmp_path, kind):
         train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=run_dir, sample_tokens=0)
     assert err.value.status == 2 and str(err.value).startswith(f"run_dir: {run_dir / lock.LOCK_NAME} is ")
     assert tree(tmp_path) == before and not lock.holds(run_dir)
+
+
+def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_writes(tmp_path):
+    """Issue 43: a sweep re-submitted with resume=auto while its first job still runs. Its job 0
+    directory is that live run's: refused in one line naming the job's directory (not only
+    hydra.sweep.dir), exit 2, and the live run's .hydra/ (config.yaml, hydra.yaml, overrides.yaml)
+    byte for byte as it was (Hydra rewrote them before any callback ran)."""
+    from looplib.run.background import HOLD
+    from test_faults import start, wait_for
+    from conftest import run_cli
+    sweep = tmp_path / "sweep"
+    args = [a for a in JOB if not a.startswith(("max_steps", "checkpoint"))] + ["max_steps=4", "checkpoint.every_steps=2"]
+    live = start(*args, f"hydra.run.dir={sweep / '0'}", cwd=tmp_path, env={HOLD: "2"})
+    try:
+        wait_for(live, "holding the checkpoint write of step 2")  # training, its directory held
+        before = {p: p.read_bytes() for p in sorted((sweep / "0" / ".hydra").iterdir())}
+        assert len(before) == 3
+        r = run_cli("-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-3000:]
+        said = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
+        assert len(said) == 1 and said[0].startswith(
+            f"looplib: error: hydra.sweep.dir: the directory of job 0 of the sweep, {sweep / '0'}, is held by another "
+            f"run (host "), r.stderr[-3000:]
+        assert f"pid {live.pid}, since " in said[0] and "Traceback" not in r.stderr
+        assert {p: p.read_bytes() for p in sorted((sweep / "0" / ".hydra").iterdir())} == before
+        assert not (sweep / "1").exists()  # no job ran
+    finally:
+        os.killpg(live.pid, 9)
+        live.communicate(timeout=60)

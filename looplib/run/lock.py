@@ -86,16 +86,18 @@ def holder(fd: int) -> str:
     return "a process that has not said who it is yet"
 
 
-def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
+def hold(run_dir: Path, key: str = "hydra.run.dir", label: str | None = None) -> Held:
     """Hold ``run_dir`` for this run (made if missing: the lock file lives in it), or refuse
-    (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process."""
+    (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process.
+    ``label``: how the refusal names the directory (default: its path)."""
     run_dir = Path(run_dir).absolute()
+    named = label or str(run_dir)
     held = _HELD.get(run_dir)
     if held is not None and held.thread == threading.get_ident():
         held.count += 1
         return held
     if held is not None:
-        raise DirectoryHeld(key, f"{run_dir} is held by another run of this process (pid {os.getpid()}, another "
+        raise DirectoryHeld(key, f"{named} is held by another run of this process (pid {os.getpid()}, another "
                             "thread): two runs in one directory would write over each other's checkpoints and metrics",
                             f"wait for that run to end, or give another directory ({key}=...)")
     made = not run_dir.exists()
@@ -109,7 +111,7 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 who = holder(fd)
                 os.close(fd)
-                raise DirectoryHeld(key, f"{run_dir} is held by another run ({who}): two runs in one directory "
+                raise DirectoryHeld(key, f"{named} is held by another run ({who}): two runs in one directory "
                                     "would write over each other's checkpoints and metrics",
                                     f"wait for that run to end, or give another directory ({key}=...)") from None
             os.close(fd)
