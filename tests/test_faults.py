@@ -416,3 +416,37 @@ def test_workers_whose_launcher_is_killed_save_and_exit_75(tmp_path):
     assert is_valid(saved) is None
     assert "is gone: stopping at the next step boundary with a checkpoint, as on SIGTERM" in found["out"]
     assert "preempted (SIGTERM: its launcher, pid " in found["out"]
+
+
+def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_checkpoint_stays(tmp_path, monkeypatch):
+    """Issue 43: the disk filled at the run's first checkpoint, and the line said "the last complete
+    checkpoint stays (resume=auto continues from it)" when there was none. Now it says nothing
+    was saved; with a complete checkpoint before it, the line is as it was."""
+    import errno
+
+    from looplib.errors import DiskFull, SaveError
+    from looplib.run.lifecycle import ending
+    root = tmp_path / "run" / "checkpoints"
+    done = tmp_path / "done"
+    ckpt = three_checkpoints(done / "checkpoints")  # a run with three complete checkpoints
+    ckpt.root, ckpt.last_saved_step = root, -1  # the same model and state, in a run with none yet
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SaveError) as first:
+        ckpt.save(TrainState(step=1))
+    line = ending(first.value, Signals(), None, tmp_path / "run")
+    assert line.startswith(f"looplib: error: could not write the checkpoint {root / 'step-00000001'}: the disk holding")
+    assert "last complete checkpoint stays" not in line and line.endswith(
+        "no checkpoint of this run was complete before it, so nothing is saved (run the command again with "
+        "resume=auto: it starts again at step 0)"), line
+    disk = DiskFull(errno.ENOSPC, "the disk holding x is full (No space left on device)", "x")
+    assert ending(disk, Signals(), None, tmp_path / "run").endswith("(no checkpoint of this run is complete: it starts "
+                                                                      "again at step 0)")
+    ckpt.root = done / "checkpoints"
+    with pytest.raises(SaveError) as later:
+        ckpt.save(TrainState(step=4))
+    assert ending(later.value, Signals(), None, done).endswith(
+        "; the last complete checkpoint stays (resume=auto continues from it)")
+    assert ending(disk, Signals(), None, done).endswith("(resume=auto continues from the last complete checkpoint)")
