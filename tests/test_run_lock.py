@@ -206,3 +206,29 @@ def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_
     finally:
         os.killpg(live.pid, 9)
         live.communicate(timeout=60)
+
+
+def test_a_second_run_into_a_live_runs_directory_is_not_advised_to_resume_it(tmp_path):
+    """Issue 43: a run started (without resume) into a directory whose run is still going was told
+    "continue it with resume=auto", which then said "held by another run". Now the line says the
+    run there is still going, who holds it, and to wait for its end; exit 2, nothing written."""
+    from conftest import run_cli
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    lock.hold(run_dir, "hydra.run.dir")  # the live run: this test's process
+    try:
+        before = tree(run_dir)
+        args = [a for a in JOB if a != "resume=auto"]
+        r = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-3000:]
+        said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+        assert len(said) == 1 and said[0].startswith(
+            f"looplib: error: hydra.run.dir: {run_dir} holds a run that is still going (host "), said
+        assert f"pid {os.getpid()}, since " in said[0] and "its files: metrics.jsonl)" in said[0]
+        assert said[0].endswith("wait for that run to end (resume=auto then continues it), or give a new directory "
+                                "(hydra.run.dir=...)"), said[0]
+        assert tree(run_dir) == before
+    finally:
+        lock.release(run_dir)
+    assert lock.held_by(run_dir) is None

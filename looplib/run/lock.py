@@ -136,6 +136,27 @@ def hold(run_dir: Path, key: str = "hydra.run.dir", label: str | None = None) ->
     return held
 
 
+def held_by(run_dir: Path) -> str | None:
+    """Who holds ``run_dir`` now (``host H, pid P, since T``), or None where no run does; a look
+    that writes nothing and takes nothing (a shared lock tried, and let go at once)."""
+    try:
+        fd = os.open(lock_path(Path(run_dir)), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        if what_is(found.st_mode, found.st_nlink) is not None:
+            return None  # not a lock file (refused when a run takes the directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            return holder(fd) if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def what_is(mode: int, links: int) -> str | None:
     """What a file of ``mode`` (``st_mode``) with ``links`` names is, where it is not a lock file."""
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),

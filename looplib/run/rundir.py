@@ -23,7 +23,7 @@ from ..atomic import write_atomic
 from ..engines import launch
 from ..errors import ConfigError
 from .checkpoint_dir import step_dirs
-from .lock import LOCK_NAME
+from .lock import LOCK_NAME, DirectoryHeld, held_by
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
 NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.run.lock)
@@ -65,6 +65,12 @@ def check(path: Path, resume: str | None, key: str) -> None:
     if resume == "auto" or inside:
         return  # this directory's own run, continued
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    who = held_by(path)
+    if who is not None:  # resume=auto would be refused too: the run is still going
+        raise DirectoryHeld(key, f"{path} holds a run that is still going ({who}; its files: {shown}): two runs in "
+                            "one directory would write over each other's checkpoints and metrics",
+                            f"wait for that run to end (resume=auto then continues it), or give a new directory "
+                            f"({key}=...)")
     if resume:
         raise ConfigError(key, f"{path} already holds files ({shown}); resuming {resume} into it "
                           "would mix two runs", f"give a new directory ({key}=...)")
