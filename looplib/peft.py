@@ -20,6 +20,8 @@ library (absolute imports), imported only when LoRA is chosen (``pip install 'lo
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -165,8 +167,12 @@ class LoRA(FullModel):
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             write_safetensors(merge_lora(unwrapped, dequantized(unwrapped, weights), merge=True),
                               Path(run_dir) / "model.safetensors")
-        else:  # safetensors by default
-            unwrapped.save_pretrained(str(Path(run_dir) / "adapter"), state_dict=weights)
+        else:  # safetensors by default; written beside and renamed (never a half-written adapter/)
+            target, tmp = Path(run_dir) / "adapter", Path(run_dir) / "adapter.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            unwrapped.save_pretrained(str(tmp), state_dict=weights)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
 
 
 class QLoRA(LoRA):

@@ -14,3 +14,13 @@ class SignalAt(Logger):
     def log(self, row):
         if row.get("step") == self.step and "loss" in row:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class KillAfterLastCheckpoint(Logger):
+    """SIGKILL to its own process when the run's closing row (its checkpoints' costs) is logged:
+    after the final checkpoint is complete, before the weights are exported (issue 43). Only where
+    ``KILL_AFTER_LAST_CHECKPOINT=1``: a resume keeps the logger (a changed one is refused) and lives."""
+
+    def log(self, row):
+        if "checkpoints" in row and os.environ.get("KILL_AFTER_LAST_CHECKPOINT") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)

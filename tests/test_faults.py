@@ -367,3 +367,86 @@ def test_checkpoints_and_weights_follow_the_umask(tmp_path):
     assert modes["model.safetensors"] == 0o640
     step = "ck/step-00000003"
     assert modes[step] == 0o750 and modes[f"{step}/model.safetensors"] == modes[f"{step}/state.pt"] == 0o640, modes
+
+
+
+ORPHANED = """
+import ctypes, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the orphans come here
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+seen = []
+for line in proc.stdout:
+    seen.append(line)
+    if "step 2/" in line:
+        break
+workers = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+os.kill(proc.pid, signal.SIGKILL)  # the launcher, killed: its workers are in sessions of their own
+proc.wait()
+statuses, deadline = {}, time.time() + 120
+while len(statuses) < len(workers) and time.time() < deadline:
+    for pid in set(workers) - set(statuses):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            statuses[pid] = os.waitstatus_to_exitcode(status)
+    time.sleep(0.1)
+for pid in set(workers) - set(statuses):
+    os.kill(pid, signal.SIGKILL)  # still training: the fault this test is about
+    statuses[pid] = "still training after 120 s"
+    os.waitpid(pid, 0)
+print(json.dumps({"statuses": sorted(map(str, statuses.values())), "out": "".join(seen) + proc.stdout.read()}))
+"""
+
+
+def test_workers_whose_launcher_is_killed_save_and_exit_75(tmp_path):
+    """Issue 43: SIGKILL to torchrun never reached its workers (each in a session of its own): they
+    trained on, unattended, to the end. Now each worker sees that its launcher is gone and stops
+    at the next step boundary with a checkpoint, exit 75, as on SIGTERM (the exit file says 75).
+    The helper is the workers' subreaper, so it reads their statuses once torchrun is gone."""
+    run_dir, status = tmp_path / "run", tmp_path / "status"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), "-m", "looplib.train", "+engine=ddp", *TINY, "max_steps=100000",
+                "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"]
+    r = subprocess.run([sys.executable, "-c", ORPHANED, *launcher], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=400, env={**os.environ, **ENV, "LOOPLIB_EXIT_FILE": str(status)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.splitlines()[-1])
+    assert found["statuses"] == [str(EXIT_PREEMPTED)] * 2, found["out"][-3000:]
+    assert status.read_text().strip() == str(EXIT_PREEMPTED)
+    [saved] = (run_dir / "checkpoints").iterdir()
+    assert is_valid(saved) is None
+    assert "is gone: stopping at the next step boundary with a checkpoint, as on SIGTERM" in found["out"]
+    assert "preempted (SIGTERM: its launcher, pid " in found["out"]
+
+
+def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_checkpoint_stays(tmp_path, monkeypatch):
+    """Issue 43: the disk filled at the run's first checkpoint, and the line said "the last complete
+    checkpoint stays (resume=auto continues from it)" when there was none. Now it says nothing
+    was saved; with a complete checkpoint before it, the line is as it was."""
+    import errno
+
+    from looplib.errors import DiskFull, SaveError
+    from looplib.run.lifecycle import ending
+    root = tmp_path / "run" / "checkpoints"
+    done = tmp_path / "done"
+    ckpt = three_checkpoints(done / "checkpoints")  # a run with three complete checkpoints
+    ckpt.root, ckpt.last_saved_step = root, -1  # the same model and state, in a run with none yet
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SaveError) as first:
+        ckpt.save(TrainState(step=1))
+    line = ending(first.value, Signals(), None, tmp_path / "run")
+    assert line.startswith(f"looplib: error: could not write the checkpoint {root / 'step-00000001'}: the disk holding")
+    assert "last complete checkpoint stays" not in line and line.endswith(
+        "no checkpoint of this run was complete before it, so nothing is saved (run the command again with "
+        "resume=auto: it starts again at step 0)"), line
+    disk = DiskFull(errno.ENOSPC, "the disk holding x is full (No space left on device)", "x")
+    assert ending(disk, Signals(), None, tmp_path / "run").endswith("(no checkpoint of this run is complete: it starts "
+                                                                      "again at step 0)")
+    ckpt.root = done / "checkpoints"
+    with pytest.raises(SaveError) as later:
+        ckpt.save(TrainState(step=4))
+    assert ending(later.value, Signals(), None, done).endswith(
+        "; the last complete checkpoint stays (resume=auto continues from it)")
+    assert ending(disk, Signals(), None, done).endswith("(resume=auto continues from the last complete checkpoint)")

@@ -160,3 +160,26 @@ def test_a_damaged_geometry_record_is_a_refusal_naming_the_file(tmp_path, geomet
         saved_geometry(tmp_path, meta, {}, 1)
     assert str(err.value) == (f"resume: {tmp_path / 'meta.json'}: its geometry record is damaged ({why}); resume "
                               "from another checkpoint (resume=PATH), or start a new run")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_what_is_not_a_lock_file_is_refused_under_torchrun_with_the_exit_file_written(tmp_path, kind):
+    """Issue 43: under torchrun a link at ``.looplib.lock`` truncated the file it led to, and a
+    directory there ended in a traceback with ``LOOPLIB_EXIT_FILE`` never written. Now rank 0
+    refuses it in one line, the other rank says why it stopped, the exit file holds 2, and
+    nothing is written (the file outside, the directory, no ``.hydra/``)."""
+    from looplib.run import lock
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.write_text("precious\n")
+    if kind == "symlink":
+        (run / lock.LOCK_NAME).symlink_to(outside)
+    else:
+        (run / lock.LOCK_NAME).mkdir()
+    said, out, status = torchrun(tmp_path, run_dir=run)
+    assert said[0] == [f"looplib: error: hydra.run.dir: {run / lock.LOCK_NAME} is " + said[0][0].split(" is ", 1)[1]]
+    assert "not looplib's lock file" in said[0][0], out
+    assert said[1] in ([], ["looplib: stopped: rank 0 refused the job, so the other ranks stopped too "
+                            "(nothing was trained)"]), out
+    assert status == "2"
+    assert outside.read_text() == "precious\n" and [p.name for p in run.iterdir()] == [lock.LOCK_NAME]

@@ -187,3 +187,42 @@ def test_checkpoint_enabled_false_writes_no_checkpoint_but_the_same_weights(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     bad = run_cli(*quick, "checkpoint.enabled=sometimes", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
     assert bad.returncode == 2 and "checkpoint.enabled" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def exports(run_dir):
+    """The weights a run exports, byte for byte (model.safetensors, or every file of adapter/ or hf/)."""
+    return {name: data for name, data in files_of(run_dir).items()
+            if name == "model.safetensors" or name.startswith(("adapter/", "hf/"))}
+
+
+SMALL = ["data=random", "data.n_train=32", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+         "model.seq_len=16", "batch_size=4", "max_steps=3", "log_every=1", "eval_every=0", "eval_samples=4",
+         "sample_tokens=0", "checkpoint.every_steps=1", "progress=lines"]
+
+
+@pytest.mark.parametrize("extra", [[], ["checkpoint.async=true"], ["+peft=lora"]], ids=["sync", "async", "lora"])
+def test_a_run_killed_between_its_last_checkpoint_and_its_export_gets_its_weights_on_resume(tmp_path, extra):
+    """Issue 43: SIGKILL after the final checkpoint was complete and before model.safetensors (or
+    adapter/) was written lost the weights for good: resume=auto said "nothing to do" and exited 0.
+    Now resume=auto writes them from that checkpoint, exit 0, byte for byte the uninterrupted run's."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    extra = [*extra, "+logger.kill._target_=signal_at.KillAfterLastCheckpoint"]
+    r = run_cli(*SMALL, *extra, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    whole = exports(tmp_path / "whole")
+    assert whole
+    run_dir = tmp_path / "killed"
+    r = run_cli(*SMALL, *extra, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                env={**env, "KILL_AFTER_LAST_CHECKPOINT": "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    final = run_dir / "checkpoints" / "step-00000003"
+    assert is_valid(final) is None and not exports(run_dir)  # the final checkpoint whole, no weights
+    r = run_cli(*SMALL, *extra, "resume=auto",
+                f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ended before it wrote its weights (model.safetensors or adapter or hf): writing them now from {final}" \
+        in r.stdout + r.stderr
+    assert exports(run_dir) == whole
+    again = run_cli(*SMALL, *extra, "resume=auto",
+                    f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)  # now it is finished: nothing to do
+    assert again.returncode == 0 and f"looplib: nothing to do: the run in {run_dir} is at step 3 already" in again.stderr

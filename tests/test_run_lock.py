@@ -113,3 +113,122 @@ def test_a_python_run_that_ends_before_training_leaves_no_directory_behind(tmp_p
     with pytest.raises(NothingToDo, match=f"the checkpoint {step} is at step 2 already"):
         train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=tmp_path / "b", resume=step)
     assert not (tmp_path / "b").exists()
+
+
+def not_a_lock(kind: str, path, outside):
+    """Put something other than a lock file at ``path`` (issue 43)."""
+    if kind == "symlink to a file":
+        outside.write_text("precious\n")
+        path.symlink_to(outside)
+    elif kind == "dangling symlink":
+        path.symlink_to(outside)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "hard link":
+        outside.write_text("precious\n")
+        os.link(outside, path)
+
+
+NOT_A_LOCK = ["symlink to a file", "dangling symlink", "directory", "fifo", "hard link"]
+SAID = {"symlink to a file": "a symbolic link (to {outside})", "dangling symlink": "a symbolic link (to {outside})",
+        "directory": "a directory", "fifo": "a FIFO", "hard link": "a regular file with 2 names"}
+
+
+def tree(root):
+    """Every path under ``root`` with what it is (a link's target, a file's bytes)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = (os.readlink(p) if p.is_symlink() else "fifo" if p.is_fifo()
+                                         else "dir" if p.is_dir() else p.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kind", NOT_A_LOCK)
+def test_something_other_than_a_lock_file_at_the_lock_path_is_refused_before_hydra_writes(tmp_path, kind):
+    """``.looplib.lock`` is opened without following a link and must be a regular file of its own:
+    a link (to a file outside, or dangling), a directory, a FIFO or a hard link there is refused in
+    one line, exit 2, and nothing is written: not the file it leads to, not the earlier run's
+    ``.hydra/``, not the thing itself (it was followed and truncated, made, or raised a traceback)."""
+    from conftest import run_cli
+    args = [a for a in JOB if not a.startswith(("max_steps", "checkpoint.every"))] + ["max_steps=2"]
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    assert run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    not_a_lock(kind, run_dir / lock.LOCK_NAME, outside)
+    before = tree(tmp_path)
+    r = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert said == [f"looplib: error: hydra.run.dir: {run_dir / lock.LOCK_NAME} is "
+                    f"{SAID[kind].format(outside=outside)}" + said[0].split(SAID[kind].format(outside=outside), 1)[1]]
+    assert "not looplib's lock file" in said[0] and said[0].endswith("or give another directory (hydra.run.dir=...)")
+    assert tree(tmp_path) == before  # .hydra/ included, and the file outside (or its absence)
+
+
+@pytest.mark.parametrize("kind", ["symlink to a file", "fifo"])
+def test_train_model_refuses_what_is_not_a_lock_file(tmp_path, kind):
+    """The same rule for ``train_model`` (it holds its directory in ``looplib.run.lock`` too)."""
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir.mkdir()
+    not_a_lock(kind, run_dir / lock.LOCK_NAME, outside)
+    before = tree(tmp_path)
+    with pytest.raises(lock.NotALock) as err:
+        train_model(tiny_gpt(), random_tokens(), max_steps=2, batch_size=4, run_dir=run_dir, sample_tokens=0)
+    assert err.value.status == 2 and str(err.value).startswith(f"run_dir: {run_dir / lock.LOCK_NAME} is ")
+    assert tree(tmp_path) == before and not lock.holds(run_dir)
+
+
+def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_writes(tmp_path):
+    """Issue 43: a sweep re-submitted with resume=auto while its first job still runs. Its job 0
+    directory is that live run's: refused in one line naming the job's directory (not only
+    hydra.sweep.dir), exit 2, and the live run's .hydra/ (config.yaml, hydra.yaml, overrides.yaml)
+    byte for byte as it was (Hydra rewrote them before any callback ran)."""
+    from looplib.run.background import HOLD
+    from test_faults import start, wait_for
+    from conftest import run_cli
+    sweep = tmp_path / "sweep"
+    args = [a for a in JOB if not a.startswith(("max_steps", "checkpoint"))] + ["max_steps=4", "checkpoint.every_steps=2"]
+    live = start(*args, f"hydra.run.dir={sweep / '0'}", cwd=tmp_path, env={HOLD: "2"})
+    try:
+        wait_for(live, "holding the checkpoint write of step 2")  # training, its directory held
+        before = {p: p.read_bytes() for p in sorted((sweep / "0" / ".hydra").iterdir())}
+        assert len(before) == 3
+        r = run_cli("-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-3000:]
+        said = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
+        assert len(said) == 1 and said[0].startswith(
+            f"looplib: error: hydra.sweep.dir: the directory of job 0 of the sweep, {sweep / '0'}, is held by another "
+            f"run (host "), r.stderr[-3000:]
+        assert f"pid {live.pid}, since " in said[0] and "Traceback" not in r.stderr
+        assert {p: p.read_bytes() for p in sorted((sweep / "0" / ".hydra").iterdir())} == before
+        assert not (sweep / "1").exists()  # no job ran
+    finally:
+        os.killpg(live.pid, 9)
+        live.communicate(timeout=60)
+
+
+def test_a_second_run_into_a_live_runs_directory_is_not_advised_to_resume_it(tmp_path):
+    """Issue 43: a run started (without resume) into a directory whose run is still going was told
+    "continue it with resume=auto", which then said "held by another run". Now the line says the
+    run there is still going, who holds it, and to wait for its end; exit 2, nothing written."""
+    from conftest import run_cli
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    lock.hold(run_dir, "hydra.run.dir")  # the live run: this test's process
+    try:
+        before = tree(run_dir)
+        args = [a for a in JOB if a != "resume=auto"]
+        r = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-3000:]
+        said = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+        assert len(said) == 1 and said[0].startswith(
+            f"looplib: error: hydra.run.dir: {run_dir} holds a run that is still going (host "), said
+        assert f"pid {os.getpid()}, since " in said[0] and "its files: metrics.jsonl)" in said[0]
+        assert said[0].endswith("wait for that run to end (resume=auto then continues it), or give a new directory "
+                                "(hydra.run.dir=...)"), said[0]
+        assert tree(run_dir) == before
+    finally:
+        lock.release(run_dir)
+    assert lock.held_by(run_dir) is None

@@ -49,6 +49,7 @@ class Boundary:
         self.sweep_dir: Path | None = None
         self.sweep_fresh = False
         self.held: tuple[Path, dict] | None = None  # an existing run directory's Hydra files, before this command
+        self.before_job_files: Callable[[], None] | None = None  # RunDirGuard.hold_job_dir
 
     def report(self, original: Callable) -> Callable:
         """Hydra's ``run_and_report``, but a refusal before a job is raised to ``run``."""
@@ -66,6 +67,15 @@ class Boundary:
             return original(refusals_raised)
         return run_and_report
 
+    def saving(self, original: Callable) -> Callable:
+        """Hydra's ``_save_config``, but ``before_job_files`` is called before a job's first file
+        (``.hydra/config.yaml``): Hydra writes a sweep job's ``.hydra/`` before any callback runs."""
+        def save_config(cfg, filename, output_dir):
+            if filename == "config.yaml" and self.before_job_files is not None:
+                self.before_job_files()
+            return original(cfg, filename, output_dir)
+        return save_config
+
     def forget_sweep(self) -> None:
         """A sweep refused before any job wrote a result leaves no directory behind."""
         path, self.sweep_dir = self.sweep_dir, None
@@ -78,14 +88,17 @@ BOUNDARY = Boundary()  # set by RunDirGuard (looplib.cli.guard) as jobs start an
 
 @contextlib.contextmanager
 def hydra_boundary():
-    """Hydra's reporting function replaced by ``BOUNDARY.report`` (where Hydra calls it)."""
+    """Hydra's reporting function replaced by ``BOUNDARY.report``, and its writer of a job's
+    ``.hydra/`` by ``BOUNDARY.saving`` (where Hydra calls them)."""
     import hydra._internal.utils as hydra_utils
-    original = hydra_utils.run_and_report
+    import hydra.core.utils as hydra_core
+    original, save_config = hydra_utils.run_and_report, hydra_core._save_config
     hydra_utils.run_and_report = BOUNDARY.report(original)
+    hydra_core._save_config = BOUNDARY.saving(save_config)
     try:
         yield
     finally:
-        hydra_utils.run_and_report = original
+        hydra_utils.run_and_report, hydra_core._save_config = original, save_config
         BOUNDARY.in_job = False
 
 

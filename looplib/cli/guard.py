@@ -111,6 +111,8 @@ class RunDirGuard(Callback):
 
     def __init__(self):
         self.held: Path | None = None
+        self.job_held: Path | None = None  # a sweep job's directory, held from before Hydra writes its .hydra/
+        BOUNDARY.before_job_files = self.hold_job_dir
 
     def _check(self, config: DictConfig, key: str) -> None:
         path = as_rank0(config, key)
@@ -151,11 +153,29 @@ class RunDirGuard(Callback):
             except ConfigError as err:
                 refuse(err)
 
+    def hold_job_dir(self) -> None:
+        """A sweep job's directory, held (rank 0) before Hydra writes its ``.hydra/`` into it (no
+        callback runs before that): a job pointed into a live run's directory is refused there,
+        in one line naming the job's directory, and the live run's files stay as they were."""
+        from hydra.core.hydra_config import HydraConfig
+        hydra = HydraConfig.get()
+        if hydra.mode != RunMode.MULTIRUN or launch.launched_rank() != 0 or self.job_held is not None:
+            return
+        path = Path(str(hydra.runtime.output_dir)).absolute()
+        try:
+            lock.hold(path, "hydra.sweep.dir", f"the directory of job {hydra.job.num} of the sweep, {path},")
+        except ConfigError as err:
+            refuse(err)
+        self.job_held = path
+
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         BOUNDARY.in_job = True
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
         BOUNDARY.in_job = False  # the next job's arguments are the command line's again
+        if self.job_held is not None:
+            lock.release(self.job_held)  # the sweep job is over
+            self.job_held = None
         if self.held is not None and OmegaConf.select(config, "hydra.mode", default=None) != RunMode.MULTIRUN:
             lock.release(self.held)  # the run is over (a sweep's directory is held until the process ends)
             self.held = None

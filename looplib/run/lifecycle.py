@@ -26,7 +26,8 @@ from ..data.identity import expecting
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, PeerRefused, RunEnded,
                       SaveError, disk_full)
 from .assembly import Job, Parts, Record, Trained, build, check
-from .lock import DirectoryHeld, hold, holds, release
+from .checkpoint_dir import step_dirs
+from .lock import DirectoryHeld, NotALock, hold, holds, release
 from .resume import expected_identity, plan
 from .rundir import forget, results
 from .settings import Settings
@@ -74,7 +75,7 @@ def run(make, run_dir: Path | None, signals: Signals, fresh: bool, metrics: Path
                 metrics = fresh_file(metrics)
             # the checkpoint to continue from, and the split of its global batch on these processes:
             # settled before the data, the model or the engine exist (a refusal costs nothing)
-            resumed = plan(parts.engine, settings, record, run_dir)
+            resumed = plan(parts.engine, settings, record, run_dir, export)
             taken = str(resumed.path) if resumed is not None and resumed.path is not None else None
             with expecting(expected_identity(taken, run_dir)):  # data changed under a resume: refused early
                 parts.build_later()
@@ -117,10 +118,10 @@ def hold_for_ranks(engine, run_dir: Path, key: str) -> list[Path]:
         try:
             hold(run_dir, key)
         except DirectoryHeld as err:
-            refusal = (err.key, err.problem, err.fix)
+            refusal = (err.key, err.problem, err.fix, isinstance(err, NotALock))
     refusal = engine.from_main(refusal)
     if refusal is not None:
-        raise DirectoryHeld(*refusal)
+        raise (NotALock if refusal[3] else DirectoryHeld)(*refusal[:3])
     return [run_dir] if engine.is_main else []
 
 
@@ -168,10 +169,16 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
     if isinstance(end, SaveError):
         full = disk_full(end.cause, str(end.path))
         what = f"could not write the checkpoint {end.path}: {full.strerror}" if full is not None else str(end)
+        if not complete_checkpoint(Path(end.path).parent, Path(end.path)):
+            return (f"looplib: error: {what}; no checkpoint of this run was complete before it, so nothing is saved "
+                    "(run the command again with resume=auto: it starts again at step 0)")
         return f"looplib: error: {what}; the last complete checkpoint stays (resume=auto continues from it)"
     if isinstance(end, DiskFull):
+        saved = run_dir is not None and complete_checkpoint(run_dir / "checkpoints")
         return (f"looplib: error: {end.strerror}; free some space (or write elsewhere: hydra.run.dir=..., "
-                "LOOPLIB_CACHE=...) and run the command again (resume=auto continues from the last complete checkpoint)")
+                "LOOPLIB_CACHE=...) and run the command again " +
+                ("(resume=auto continues from the last complete checkpoint)" if saved else
+                 "(no checkpoint of this run is complete: it starts again at step 0)"))
     if isinstance(end, Interrupted) and signals.training:  # a second Ctrl-C while training
         hint = (record.resume_hint if record is not None else "resume=auto").format(
             run_dir=shlex.quote(str(run_dir)))
@@ -179,6 +186,11 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
     if isinstance(end, Interrupted):
         return f"looplib: stopped ({end}) before training started; nothing was saved"
     return f"looplib: stopped: {end}"
+
+
+def complete_checkpoint(root: Path, but: Path | None = None) -> bool:
+    """Whether ``root`` holds a complete checkpoint (its manifest, written last, exists) other than ``but``."""
+    return any((d / "manifest.json").is_file() and d != but for d in step_dirs(root))
 
 
 def refused_line(rank: int) -> str:

@@ -16,6 +16,11 @@ process id, since when), exit status 2, having written nothing.
   ``train_model`` calls at once) is refused like another process.
 - Several processes (torchrun): rank 0 holds the lock for every rank; the others learn the
   outcome from it (``execute``: the engine's broadcast; the command line: the launch's board).
+- The lock file is opened without following a link (``O_NOFOLLOW``; ``O_NONBLOCK``, so a FIFO
+  does not block) and must be a regular file of its own (``fstat``): a symbolic link (dangling
+  or not), a directory, a FIFO, a socket, a device or a second name of another file at that path
+  is refused in one line (``NotALock``, exit status 2) before anything is written, and left as
+  it is: a lock that follows a link would truncate the file it points to.
 - A file system without locks (Lustre mounted without ``flock``, NFS mounted ``nolock``):
   a warning says two runs in one directory are not caught there, and the run goes on.
 
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -44,6 +50,11 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # the file system tak
 
 class DirectoryHeld(ConfigError):
     """Another run holds the run directory (refused; nothing of that run may be touched)."""
+
+
+class NotALock(DirectoryHeld):
+    """Something other than a lock file of looplib's own is at ``<run dir>/.looplib.lock`` (refused
+    like a held directory: nothing at that path, or anywhere in the directory, is touched)."""
 
 
 class Held:
@@ -75,30 +86,32 @@ def holder(fd: int) -> str:
     return "a process that has not said who it is yet"
 
 
-def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
+def hold(run_dir: Path, key: str = "hydra.run.dir", label: str | None = None) -> Held:
     """Hold ``run_dir`` for this run (made if missing: the lock file lives in it), or refuse
-    (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process."""
+    (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process.
+    ``label``: how the refusal names the directory (default: its path)."""
     run_dir = Path(run_dir).absolute()
+    named = label or str(run_dir)
     held = _HELD.get(run_dir)
     if held is not None and held.thread == threading.get_ident():
         held.count += 1
         return held
     if held is not None:
-        raise DirectoryHeld(key, f"{run_dir} is held by another run of this process (pid {os.getpid()}, another "
+        raise DirectoryHeld(key, f"{named} is held by another run of this process (pid {os.getpid()}, another "
                             "thread): two runs in one directory would write over each other's checkpoints and metrics",
                             f"wait for that run to end, or give another directory ({key}=...)")
     made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = lock_path(run_dir)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = open_lock(path, key)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 who = holder(fd)
                 os.close(fd)
-                raise DirectoryHeld(key, f"{run_dir} is held by another run ({who}): two runs in one directory "
+                raise DirectoryHeld(key, f"{named} is held by another run ({who}): two runs in one directory "
                                     "would write over each other's checkpoints and metrics",
                                     f"wait for that run to end, or give another directory ({key}=...)") from None
             os.close(fd)
@@ -109,7 +122,8 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
             held = _HELD[run_dir] = Held(run_dir, None, made)
             return held
         try:  # the file we locked is still the one at the path (its last holder removes it on release)
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            now, ours = os.lstat(path), os.fstat(fd)
+            same = (now.st_ino, now.st_dev) == (ours.st_ino, ours.st_dev)
         except FileNotFoundError:
             same = False
         if same:
@@ -120,6 +134,71 @@ def hold(run_dir: Path, key: str = "hydra.run.dir") -> Held:
                               "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}).encode(), 0)
     held = _HELD[run_dir] = Held(run_dir, fd, made)
     return held
+
+
+def held_by(run_dir: Path) -> str | None:
+    """Who holds ``run_dir`` now (``host H, pid P, since T``), or None where no run does; a look
+    that writes nothing and takes nothing (a shared lock tried, and let go at once)."""
+    try:
+        fd = os.open(lock_path(Path(run_dir)), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        if what_is(found.st_mode, found.st_nlink) is not None:
+            return None  # not a lock file (refused when a run takes the directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            return holder(fd) if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def what_is(mode: int, links: int) -> str | None:
+    """What a file of ``mode`` (``st_mode``) with ``links`` names is, where it is not a lock file."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if links != 1:
+        return f"a regular file with {links} names (a hard link: writing the lock would write the other name's file)"
+    return None
+
+
+def open_lock(path: Path, key: str) -> int:
+    """The lock file at ``path``, opened (made if missing) without following a link or blocking on
+    a FIFO, and checked to be a regular file of one name; anything else is refused (``NotALock``)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        try:
+            found = os.lstat(path)
+        except OSError:
+            raise err from None
+        what = what_is(found.st_mode, found.st_nlink) or f"a file that cannot be opened ({os.strerror(err.errno)})"
+        raise not_a_lock(path, what, key) from None
+    found = os.fstat(fd)
+    what = what_is(found.st_mode, found.st_nlink)
+    if what is not None:
+        os.close(fd)
+        raise not_a_lock(path, what, key)
+    return fd
+
+
+def not_a_lock(path: Path, what: str, key: str) -> NotALock:
+    if what == "a symbolic link":
+        what += f" (to {os.readlink(path)})"
+    return NotALock(key, f"{path} is {what}, not looplib's lock file: a run holds its directory by locking a regular "
+                    "file of its own there, and would write into whatever that path leads to; nothing was written",
+                    f"remove it if no run uses {path.parent} (rm {'-r ' if 'directory' in what else ''}{path}), "
+                    f"or give another directory ({key}=...)")
 
 
 def release(run_dir: Path) -> None:

@@ -28,6 +28,7 @@ from ..engines.state_dicts import load_sharded
 from . import elastic
 from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, inspect_checkpoint, load_state,
                              set_rng_state, step_dirs, unwrap)
+from .rundir import EXPORTS, exported
 from .saving import Checkpoints
 from .settings import NOT_ARGUMENTS
 
@@ -73,6 +74,7 @@ class Resumed:
     path: Path | None
     checked: dict | None = None
     saved: elastic.Geometry | None = None
+    finishing: bool = False  # at max_steps already, its exports never written: written now, nothing trained
 
 
 def expected_identity(where: str | None, run_dir: Path | None) -> identity.Expected | None:
@@ -109,12 +111,13 @@ def locate(where: str, run_dir: Path | None) -> tuple[Path | None, dict | None]:
     return path, found.get(path)
 
 
-def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
+def plan(engine, settings, record, run_dir: Path | None, export: bool = False) -> Resumed | None:
     """Before the data, the model or the engine exist: find the checkpoint to resume, refuse an
     engine it cannot load into, choose the split of its global batch on this run's processes
     (``settings`` and the record's config then hold it), refuse an epoch end the processes cannot
     reproduce, and tell the engine (DeepSpeed: a universal checkpoint). None when the run does not
-    resume. (What changed is said when the checkpoint loads: ``resume``.)"""
+    resume. (What changed is said when the checkpoint loads: ``resume``.) ``export``: the run writes
+    its weights at the end (a finished run whose weights are missing then writes them)."""
     if settings.resume is None:
         return None
     path, checked = locate(settings.resume, run_dir)
@@ -130,25 +133,34 @@ def plan(engine, settings, record, run_dir: Path | None) -> Resumed | None:
         saved_cfg, now_cfg = json.loads(json.dumps(checked["config"])), json.loads(json.dumps(record.config))
         elastic.accept(saved, now, saved_cfg, now_cfg)
         check_resume_config(saved_cfg, now_cfg)  # any other change: refused now, not after the setup
-    check_steps(path, checked["step"], settings.max_steps, run_dir)
+    finishing = check_steps(path, checked["step"], settings.max_steps, run_dir, export)
     if settings.batch_size != "auto":
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
     engine.resuming(path, saved.world_size, (run_dir or path.parent) / "checkpoints")
-    return Resumed(path, checked, saved)
+    return Resumed(path, checked, saved, finishing)
 
 
-def check_steps(path: Path, at: int, max_steps: int, run_dir: Path | None) -> None:
-    """A run cannot go back: a checkpoint past ``max_steps`` is refused, one at it has nothing to do."""
+def check_steps(path: Path, at: int, max_steps: int, run_dir: Path | None, export: bool = False) -> bool:
+    """A run cannot go back: a checkpoint past ``max_steps`` is refused, one at it has nothing to do,
+    unless it is this run directory's own final checkpoint and the run (``export``: one that writes
+    its weights) never wrote them (killed between its final checkpoint and the export): True, the
+    run then trains nothing and writes them from that checkpoint, as the run would have."""
     if at > max_steps:
         raise ConfigError("max_steps", f"max_steps={max_steps} is below the step of the checkpoint it resumes "
                           f"({at}, {path}): a run cannot go back", f"give max_steps above {at} to train further, "
                           f"or start a new run in a new directory to train {max_steps} steps")
-    if at == max_steps and run_dir is not None and Path(path).resolve().is_relative_to(Path(run_dir).resolve()):
+    own = run_dir is not None and Path(path).resolve().is_relative_to(Path(run_dir).resolve())
+    if at == max_steps and own and export and not exported(run_dir):
+        log.warning("the run in %s trained to its last step (%d) but ended before it wrote its weights "
+                    "(%s): writing them now from %s", run_dir, at, " or ".join(EXPORTS), path)
+        return True
+    if at == max_steps and own:
         raise NothingToDo(f"the run in {run_dir} is at step {at} already (max_steps={max_steps}), its files "
                           f"untouched; give max_steps above {at} to train further")
     if at == max_steps:  # a checkpoint of another run, into a new directory: which is left as it was (none)
         raise NothingToDo(f"the checkpoint {path} is at step {at} already (max_steps={max_steps}); nothing was "
                           f"written; give max_steps above {at} to train further")
+    return False
 
 
 def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
@@ -232,7 +244,8 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
                     "run, pass its directory: hydra.run.dir=...)", run_dir)
     else:
-        check_steps(path, resumed.checked["step"], max_steps, run_dir)
+        if not resumed.finishing:
+            check_steps(path, resumed.checked["step"], max_steps, run_dir)
         checked = judged(checkpoints, path, resumed.checked)
         if checkpoints.geometry:  # what the processes changed (batch_size=auto: chosen since plan)
             saved = elastic.saved_geometry(path, checked["meta"], checked["config"], checkpoints.engine.world_size)

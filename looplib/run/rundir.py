@@ -23,7 +23,7 @@ from ..atomic import write_atomic
 from ..engines import launch
 from ..errors import ConfigError
 from .checkpoint_dir import step_dirs
-from .lock import LOCK_NAME
+from .lock import LOCK_NAME, DirectoryHeld, held_by
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
 NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.run.lock)
@@ -65,6 +65,12 @@ def check(path: Path, resume: str | None, key: str) -> None:
     if resume == "auto" or inside:
         return  # this directory's own run, continued
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    who = held_by(path)
+    if who is not None:  # resume=auto would be refused too: the run is still going
+        raise DirectoryHeld(key, f"{path} holds a run that is still going ({who}; its files: {shown}): two runs in "
+                            "one directory would write over each other's checkpoints and metrics",
+                            f"wait for that run to end (resume=auto then continues it), or give a new directory "
+                            f"({key}=...)")
     if resume:
         raise ConfigError(key, f"{path} already holds files ({shown}); resuming {resume} into it "
                           "would mix two runs", f"give a new directory ({key}=...)")
@@ -95,6 +101,14 @@ def continued(overrides: list[str]) -> list[str]:
     return [*map(shlex.quote, merged.values()), "resume=auto"]
 
 
+EXPORTS = ("model.safetensors", "adapter", "hf")  # what a finished run exports (one of them), each written whole
+
+
+def exported(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` wrote its weights (each export is written beside and renamed)."""
+    return any((Path(run_dir) / name).exists() for name in EXPORTS)
+
+
 def artefacts(run_dir: Path) -> dict[str, str]:
     """What the run left for people to use, by name, where it exists."""
     out = {}
@@ -110,7 +124,8 @@ def artefacts(run_dir: Path) -> dict[str, str]:
 
 def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, int] | None:
     """The most recent run directory under ``root`` whose newest valid checkpoint can still be
-    continued (its step below ``max_steps``, or, not given, below the run's own), and its step."""
+    continued (its step below ``max_steps``, or, not given, below the run's own; or at it, where the
+    run never wrote its weights), and its step."""
     from .checkpoint_dir import is_valid, read_config
     runs = {p.parent for depth in ("*/checkpoints", "*/*/checkpoints") for p in root.glob(depth) if p.is_dir()}
     for run in sorted(runs, key=lambda p: (p / "checkpoints").stat().st_mtime, reverse=True):
@@ -121,8 +136,8 @@ def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, in
                     goal = max_steps or int(read_config(step / "config.yaml").get("max_steps", 0))
                 except (ValueError, TypeError):
                     goal = 0
-                if int(digits or 0) < goal:
-                    return run, int(digits or 0)
+                if int(digits or 0) < goal or (int(digits or 0) == goal and not exported(run)):
+                    return run, int(digits or 0)  # (at its end without its weights: resume=auto writes them)
                 break  # its newest checkpoint is its end: a finished run, nothing to continue
     return None
 

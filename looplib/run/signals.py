@@ -15,14 +15,63 @@
 
 Exit statuses: 75 (EX_TEMPFAIL) after SIGTERM/SIGUSR1, so a scheduler may requeue the job with
 ``resume=auto``; 130 (128 + SIGINT, the shell's convention) after Ctrl-C.
+
+A worker of a launcher (torchrun, the ``deepspeed`` launcher) whose launcher dies (SIGKILL, out of
+memory) is told nothing: torchrun starts each worker in a session of its own, so a signal to the
+launcher's process group does not reach it, and it would train on, unattended, to the end. So a
+worker watches its launcher (``LauncherWatch``: a thread that compares ``os.getppid()`` with the
+launcher's pid once a second) and, once the launcher is gone, sends itself SIGTERM: it saves at
+the next step boundary and exits 75, as on a preemption. Why not ``prctl(PR_SET_PDEATHSIG)``: it
+fires when the *thread* that started the worker ends, not its process (a launcher that starts
+workers from a helper thread would stop them while it lives), it is Linux only, and it is set
+only once the worker runs Python (a launcher dead before then is never signalled); the parent's
+pid, read at import and compared, has none of these gaps.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 from contextlib import contextmanager
 
 from ..errors import Interrupted, exit_status, signal_name
+
+log = logging.getLogger("looplib")
+PARENT = os.getppid()  # read as early as looplib is imported: the launcher, for a launcher's worker
+WATCH_S = 1.0  # how often a launcher's worker looks for its launcher
+
+
+def launcher_pid() -> int | None:
+    """The pid of the launcher that started this process as one of its workers (torchrun, the
+    ``deepspeed`` launcher: its parent), or None (started by hand, by a shell or by SLURM, whose
+    step daemon ends its tasks itself)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("CROSS_RANK" in os.environ and "LOCAL_SIZE" in os.environ):
+        return PARENT
+    return None
+
+
+class LauncherWatch:
+    """A daemon thread that sends this process SIGTERM once its launcher ``pid`` is gone (the
+    process was re-parented: ``os.getppid()`` changed); ``stop`` ends it."""
+
+    def __init__(self, pid: int, every: float = WATCH_S):
+        self.pid, self.every, self.gone = pid, every, False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="looplib-launcher-watch", daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        while not self.done.wait(self.every):
+            if os.getppid() != self.pid:
+                self.gone = True
+                log.warning("the launcher that started this process (pid %d) is gone: stopping at the next step "
+                            "boundary with a checkpoint, as on SIGTERM", self.pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def stop(self) -> None:
+        self.done.set()
 
 
 class Signals:
@@ -43,6 +92,7 @@ class Signals:
         self.finished = False            # set by finish(): later signals are ignored
         self.reason: str | None = None   # stop(): the run's own reason to stop early (no signal)
         self._previous: dict = {}
+        self.watch: LauncherWatch | None = None  # a launcher's worker: its launcher, watched
 
     def _handler(self, signum, frame):
         if self.finished:  # the run is over (cleaning up, exiting): nothing left to interrupt
@@ -56,11 +106,16 @@ class Signals:
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         Signals.current = self
+        launcher = launcher_pid()
+        if launcher is not None and self.watch is None:
+            self.watch = LauncherWatch(launcher)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        if self.watch is not None:
+            self.watch.stop()
 
     @contextmanager
     def deferred(self):
@@ -91,6 +146,8 @@ class Signals:
         the interpreter puts the default action (death) back while it shuts down, and a
         launcher's SIGTERM to a rank still exiting would otherwise end it with -15."""
         self.finished = True
+        if self.watch is not None:
+            self.watch.stop()
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
@@ -109,7 +166,10 @@ class Signals:
 
     @property
     def name(self) -> str:
-        return self.reason if self.signum is None and self.reason else signal_name(self.signum)
+        if self.signum is None and self.reason:
+            return self.reason
+        gone = self.watch is not None and self.watch.gone and self.signum == signal.SIGTERM
+        return signal_name(self.signum) + (f": its launcher, pid {self.watch.pid}, is gone" if gone else "")
 
 
 @contextmanager
