@@ -45,6 +45,7 @@ import numpy as np
 
 from ..atomic import make_dir_beside
 from ..errors import ConfigError, disk_full
+from .lock import building
 from .tokenizer import cache_root
 
 log = logging.getLogger("looplib")
@@ -295,6 +296,14 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
     found, why = opened(path)
     if found is not None:
         return found
+    with building(path.parent, path.name, f"the token cache {path}"):  # one builder; the others wait, then open it
+        return built(path, name, vocab_size, fill, with_target)
+
+
+def built(path: Path, name: str, vocab_size: int, fill: Callable[[Writer], None], with_target: bool) -> Tokenised:
+    found, why = opened(path)
+    if found is not None:  # built while this process waited for the lock
+        return found
     if path.exists():
         log.warning("the token cache %s is %s: building it again", path, why or "incomplete")
         shutil.rmtree(path, ignore_errors=True)
@@ -306,6 +315,7 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
             raise disk_full(err, str(path)) from None
         raise ConfigError("data", f"cannot write the token cache {path} ({err})",
                           "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    log.info("building the token cache %s", path)
     try:
         writer = Writer(tmp, "<u2" if vocab_size <= 1 << 16 else "<u4", with_target)
         try:
