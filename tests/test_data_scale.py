@@ -159,3 +159,146 @@ def test_pathological_lines_train_in_bounded_time_and_memory(tmp_path):
     assert int(done.stdout.split()[0]) > 0
     print("peak MB", peak >> 20)
     assert peak < 1000 << 20, f"peak {peak >> 20} MB over the process tree for 10 MB of text"
+
+
+BUILD_ONCE = textwrap.dedent("""
+    import logging, os, sys, time, zlib
+    from pathlib import Path
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    from looplib.data import TextCorpus
+    rank, here = os.environ["RANK"], Path(sys.argv[1])
+    (here / f"ready{rank}").touch()
+    while not all((here / f"ready{r}").exists() for r in "01"):  # both ranks start building together
+        time.sleep(0.01)
+    c = TextCorpus(str(here / "texts"), seq_len=32, vocab_size=400)
+    data = c.train.tokens.read(0, len(c.train.tokens))
+    print(f"rank {rank} tokens {len(data)} crc {zlib.crc32(data.tobytes())} at {c.train.tokens.path}", flush=True)
+    """)
+
+
+def test_a_cold_cache_is_built_once_under_torchrun(tmp_path):
+    """Two ranks asking for the same cold cache at once: one trains the tokenizer and tokenises
+    (holding the entry's lock); the other waits and opens the same files."""
+    import random
+    from looplib.engines.launch import free_port
+
+    rng = random.Random(0)
+    (tmp_path / "texts").mkdir()
+    for i in range(40):
+        words = [f"w{rng.randrange(3000)}" for _ in range(3000)]
+        (tmp_path / "texts" / f"d{i}.txt").write_text(" ".join(words))
+    (tmp_path / "build.py").write_text(BUILD_ONCE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "--tee", "3", str(tmp_path / "build.py"), str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    import re
+    assert len(re.findall(r"^\[default\d\]:training a 400-token byte-level BPE", out, re.M)) == 1, out
+    assert len(re.findall(r"^\[default\d\]:building the token cache", out, re.M)) == 1, out
+    said = re.findall(r"rank (\d) tokens (\d+) crc (\d+) at (\S+)", out)
+    assert sorted(s[0] for s in said) == ["0", "1"] and len({s[1:] for s in said}) == 1, out
+
+
+def test_a_warm_start_reads_only_the_files_that_changed(tmp_path, monkeypatch):
+    """The index of sizes and times: a second start hashes nothing, an edit is hashed again, and an
+    edit that keeps the size and sets the mtime back is still seen (its ctime moved)."""
+    from looplib.data import index
+
+    monkeypatch.setattr(index, "RACY_NS", 0)  # (the files were written just now)
+    hashed = []
+    real = index.hash_file
+    monkeypatch.setattr(index, "hash_file", lambda f, *a: hashed.append(f.name) or real(f, *a))
+    root = tmp_path / "texts"
+    root.mkdir()
+    for i in range(30):
+        (root / f"d{i:02d}.txt").write_text(f"the model learns the loop {i} " * 20)
+    make = lambda: TextCorpus(str(root), seq_len=8, vocab_size=300).identity["train"]  # noqa: E731
+    first = make()
+    assert len(hashed) == 30
+    hashed.clear()
+    assert make() == first and hashed == []  # warm: nothing read
+    (root / "d03.txt").write_text("an edit of another size " * 20)
+    assert make()["files"] != first["files"] and hashed == ["d03.txt"]
+    hashed.clear()
+    f, before = root / "d07.txt", (root / "d07.txt").stat()
+    time.sleep(0.05)
+    f.write_text(f.read_text().replace("model", "MODEL"))  # same size
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime set back
+    assert f.stat().st_size == before.st_size and f.stat().st_mtime_ns == before.st_mtime_ns
+    now = make()
+    assert hashed == ["d07.txt"] and now["files"][str(f)] != first["files"][str(f)]
+
+
+def word_level(tmp_path, words: list[str]):
+    """A word-level tokenizer (one id per word, whitespace between words), with an end-of-text token."""
+    import json
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<|endoftext|>", *words])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tok, tmp_path / "tok" / "tokenizer.json"
+
+
+def test_tokens_brought_ready_made_are_the_batches_text_would_give(tmp_path):
+    """The same documents as text (through a word-level tokenizer) and as ids, in nanoGPT's raw
+    uint16 file and in llm.c's headered shards (uint16 and uint32, two shards): the same windows,
+    bit for bit, the same held-out split, and the same ids as were written."""
+    import random
+    import numpy as np
+    import torch
+    from looplib.data import TokenCorpus
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(500)]
+    tok, tok_file = word_level(tmp_path, words)
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) for _ in range(40)]
+    (tmp_path / "texts").mkdir()
+    for i, d in enumerate(docs):
+        (tmp_path / "texts" / f"d{i:02d}.txt").write_text(d)
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = np.array([i for d in docs for i in tok.encode(d).ids + [eos]], dtype="<u2")
+    (tmp_path / "raw.bin").write_bytes(ids.tobytes())
+    half = int(np.flatnonzero(ids == eos)[19]) + 1   # two shards, cut after a document
+    for version, kind in ((1, "<u2"), (2, "<u4")):
+        for n, part in enumerate((ids[:half], ids[half:])):
+            header = np.zeros(256, "<i4")
+            header[:3] = 20240520, version, len(part)
+            (tmp_path / f"v{version}_{n}.bin").write_bytes(header.tobytes() + part.astype(kind).tobytes())
+    common = dict(seq_len=16, eval_fraction=0.2, seed=5)
+    text = TextCorpus(str(tmp_path / "texts"), tokenizer=str(tok_file), vocab_size=tok.get_vocab_size(), **common)
+    for name in ("raw.bin", "v1_*.bin", "v2_*.bin"):
+        got = TokenCorpus(str(tmp_path / name), vocab_size=tok.get_vocab_size(), eos_id=eos, **common)
+        assert got.train.tokens.read(0, len(ids)).tolist() == ids.tolist(), name
+        assert np.array_equal(got.eval_docs, text.eval_docs) and len(got.train) == len(text.train) > 0, name
+        for split in ("train", "eval"):
+            a, b = getattr(text, split), getattr(got, split)
+            assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["labels"], b[i]["labels"])
+                       for i in range(len(a))), (name, split)
+
+
+def test_tokens_refusals(tmp_path):
+    import numpy as np
+    from looplib.data import TokenCorpus
+
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.array([1, 2, 70000], "<u4").tofile(tmp_path / "wide.bin")
+    header = np.zeros(256, "<i4")
+    header[:3] = 20240520, 1, 100
+    (tmp_path / "short.bin").write_bytes(header.tobytes() + np.arange(50, dtype="<u2").tobytes())
+    (tmp_path / "one.bin").write_bytes(np.array([5, 6, 7, 9, 5, 6], "<u2").tobytes())
+    cases = {
+        "odd.bin": (dict(), "data.path: " + str(tmp_path / "odd.bin") + " holds 3 bytes, not a whole number"),
+        "wide.bin": (dict(dtype="uint32", vocab_size=1000, eos_id=None), "data.vocab_size: " + str(tmp_path / "wide.bin")
+                     + " holds id 70000 (at position 2), outside a vocabulary of data.vocab_size=1000"),
+        "short.bin": (dict(), "header says 100 ids of 2 bytes, but it holds 100 bytes after the header"),
+        "one.bin": (dict(vocab_size=10, eos_id=9, eval_fraction=0.9), "data.eval_fraction: " + str(tmp_path / "one.bin") + " holds 2 document"),
+    }
+    for name, (kw, message) in cases.items():
+        with pytest.raises(ConfigError) as err:
+            TokenCorpus(str(tmp_path / name), seq_len=2, **kw)
+        assert message in str(err.value) and "\n" not in str(err.value), (name, str(err.value))

@@ -150,6 +150,7 @@ class Writer:
         self.tokens = Chunked(root / "tokens.bin")
         self.target = Chunked(root / "target.bin") if with_target else None
         self.ends, self.labels, self.n = [], [], 0
+        self.ended: list[np.ndarray] = []   # ends added in bulk (``extend``), before those in ``ends``
 
     def add(self, ids, target=None, label=None, end: bool = True) -> None:
         """Append ids to the current document; ``end`` closes it (a large file comes in pieces)."""
@@ -162,17 +163,31 @@ class Writer:
             if label is not None:
                 self.labels.append(label)
 
+    def extend(self, ids: np.ndarray, ends: np.ndarray) -> None:
+        """Append many ids at once, a document ending after each position in ``ends`` (0..len(ids))."""
+        if self.ends:
+            self.ended.append(np.array(self.ends, np.int64))
+            self.ends = []
+        self.tokens.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
+        self.ended.append(self.n + np.asarray(ends, np.int64))
+        self.n += len(ids)
+
+    def open_tokens(self) -> int:
+        """Ids appended since the last document ended."""
+        last = self.ends[-1] if self.ends else next((int(e[-1]) for e in reversed(self.ended) if len(e)), 0)
+        return self.n - last
+
     @property
     def documents(self) -> int:
-        return len(self.ends)
+        return len(self.ends) + sum(map(len, self.ended))
 
     def close(self) -> dict:
         sums = {"tokens.bin": self.tokens.close()}
         if self.target is not None:
             sums["target.bin"] = self.target.close()
-        np.save(self.root / "offsets.npy", np.array([0] + self.ends, dtype=np.int64))
+        np.save(self.root / "offsets.npy", np.concatenate([[0], *self.ended, self.ends]).astype(np.int64))
         sums["offsets.npy"] = [crc_of(self.root / "offsets.npy")]
-        return {"format": FORMAT, "dtype": self.dtype.str, "tokens": self.n, "documents": len(self.ends),
+        return {"format": FORMAT, "dtype": self.dtype.str, "tokens": self.n, "documents": self.documents,
                 "target": self.target is not None, "labels": self.labels or None,
                 "chunk_bytes": CHUNK_BYTES, "checksums": sums}
 
