@@ -302,3 +302,49 @@ def test_tokens_refusals(tmp_path):
         with pytest.raises(ConfigError) as err:
             TokenCorpus(str(tmp_path / name), seq_len=2, **kw)
         assert message in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal")
+def test_progress_on_a_terminal_and_as_lines_elsewhere(tmp_path):
+    """A pseudo-terminal that reports no size (as under `script` or many CI runners) shows the
+    bars with bytes and rate; a log file gets plain lines."""
+    import pty
+    import random
+
+    rng = random.Random(0)
+    (tmp_path / "t").mkdir()
+    for i in range(3):
+        (tmp_path / "t" / f"d{i}.txt").write_text(" ".join(f"w{rng.randrange(4000)}" for _ in range(20000)))
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+        import looplib.data.cache as c
+        c.PROGRESS_BYTES, c.LINE_EVERY_S = 1 << 10, 0
+        from looplib.data import TextCorpus
+        TextCorpus({str(tmp_path / "t")!r}, seq_len=32, vocab_size=300)
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for where, (caches, out) in {"terminal": ("a", None), "log": ("b", subprocess.PIPE)}.items():
+        env["LOOPLIB_CACHE"] = str(tmp_path / caches)
+        if out is None:
+            master, slave = pty.openpty()
+            proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=slave, env=env)
+            os.close(slave)
+            chunks = []
+            while True:
+                try:
+                    chunk = os.read(master, 1 << 16)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            assert proc.wait(timeout=120) == 0
+            os.close(master)
+            said = b"".join(chunks).decode(errors="replace")
+            assert "reading text for the tokenizer" in said and "tokenising t:" in said and "B/s" in said, said[-2000:]
+        else:
+            r = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.PIPE, env=env, text=True,
+                               timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert "tokenising t: " in r.stdout and "MB/s, about" in r.stdout and "\r" not in r.stderr, r.stdout

@@ -110,7 +110,8 @@ class FileCorpus(Corpus):
     def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path], digests: list[str]) -> TokenizerInfo:
         if spec is None:
             key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files, digests))
-            info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=no_text(files, "data.path"))
+            info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=no_text(files, "data.path"),
+                                   total_bytes=sum(f.stat().st_size for f in files))
             self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
             return info
         info = load_tokenizer(str(spec))
@@ -145,7 +146,7 @@ class FileCorpus(Corpus):
 
         def fill(writer):
             pending, chars = [], 0
-            with progress(total, files[0].parent.name or str(files[0])) as bar:
+            with progress(total, f"tokenising {files[0].parent.name or files[0]}") as bar:
                 for unit in self.units(files, key, bar):
                     pending.append(unit)
                     chars += sum(len(t) for t, _ in unit[0])

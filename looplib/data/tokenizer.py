@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -153,13 +154,14 @@ def specials(tok) -> tuple[list[int], list[int]]:
 
 
 def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
-                    root: Path | None = None, nothing: ConfigError | None = None) -> TokenizerInfo:
+                    root: Path | None = None, nothing: ConfigError | None = None, total_bytes: int = 0) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
     cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
     temporary directory, then renamed). A cached file that does not load is trained again,
     except under a resume: then the run's own tokenizer is used or the resume refused
     (``identity.trained_tokenizer``). ``texts()`` that hold no text (empty or blank files) are
-    refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached."""
+    refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached.
+    ``total_bytes``: the size of the text, for the progress bar (or lines) of a large one."""
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
@@ -171,7 +173,7 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
     if cached is not None:
         return cached
     with building(target.parent, target.name, f"the tokenizer {target}"):  # one trainer; the others wait, then load it
-        return cached_tokenizer(target) or trained(texts, vocab_size, target, nothing)
+        return cached_tokenizer(target) or trained(texts, vocab_size, target, nothing, total_bytes)
 
 
 def cached_tokenizer(target: Path) -> TokenizerInfo | None:
@@ -189,14 +191,20 @@ def cached_tokenizer(target: Path) -> TokenizerInfo | None:
     return None
 
 
-def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, nothing) -> TokenizerInfo:
+def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, nothing, total_bytes: int) -> TokenizerInfo:
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     found = []
 
     def limited():
+        from .cache import progress  # (cache.py imports this module)
+        with progress(min(total_bytes, TRAIN_BYTES), "reading text for the tokenizer") as bar:
+            yield from cut_words(texts(), bar)
+
+    def cut_words(texts, bar):
         seen = 0
-        for text in texts():
+        for text in texts:
+            bar.update(len(text))
             if not found and text.strip():
                 found.append(True)
             if len(text) > MAX_WORD and LONG_WORD.search(text):
@@ -210,7 +218,7 @@ def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, n
     log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                            show_progress=False)
+                            show_progress=sys.stderr.isatty())  # (its own bar: counting words, then merges)
     if not found:  # nothing to learn from: no tokenizer of 257 bytes goes into the cache
         raise nothing or ConfigError("data.path", "the data holds no text to train a tokenizer on (every file or "
                                      "record is empty)", "give files with text in them")
