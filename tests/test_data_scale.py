@@ -318,7 +318,7 @@ def test_progress_on_a_terminal_and_as_lines_elsewhere(tmp_path):
     script = textwrap.dedent(f"""
         import logging, sys
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-        import looplib.data.cache as c
+        import looplib.data.progress as c
         c.PROGRESS_BYTES, c.LINE_EVERY_S = 1 << 10, 0
         from looplib.data import TextCorpus
         TextCorpus({str(tmp_path / "t")!r}, seq_len=32, vocab_size=300)

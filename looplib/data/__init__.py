@@ -9,7 +9,8 @@ One module per concern:
 - the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
   ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``),
   ``tokens`` (``data=tokens``: ids brought ready-made)
-- ``lock``: one builder per cache entry; ``index``: the files' digests, read again only when they change
+- ``lock``: one builder per cache entry; ``index``: the files' digests, read again only when they change;
+  ``progress``: bars and lines while data is built
 - ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader, the held-out set
 - ``identity``: what a run was trained on (``Corpus.fingerprint``), compared on resume
 """

@@ -35,8 +35,6 @@ import mmap
 import os
 import random
 import shutil
-import sys
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +56,6 @@ FULL_CHECK_BYTES = 1 << 30   # files up to 1 GiB are checked in full at every op
 SAMPLED_CHUNKS = 8           # a larger, unchanged file: this many random chunks, the first and the last
 CHECKED = "checked.json"     # stat of each large file at its last full check
 RELEASE_READS, RELEASE_BYTES = 8, 16 << 20   # how often a TokenFile unmaps what it has read
-PROGRESS_BYTES = 32 << 20   # inputs larger than this get a progress bar (on a terminal)
 
 
 class TokenFile:
@@ -347,45 +344,3 @@ def built(path: Path, name: str, vocab_size: int, fill: Callable[[Writer], None]
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load(path)
-
-
-def progress(total_bytes: int, what: str):
-    """For inputs of ``PROGRESS_BYTES`` or more: a tqdm bar on a terminal (bytes, rate, time left),
-    else a plain line every ``LINE_EVERY_S`` seconds (``Lines``); nothing for smaller ones."""
-    from tqdm import tqdm
-
-    if total_bytes >= PROGRESS_BYTES and not sys.stderr.isatty():
-        return Lines(total_bytes, what)
-    try:  # a terminal that reports no size (a pseudo-terminal never sized): tqdm would hide its bar (0 rows)
-        sized = min(os.get_terminal_size(sys.stderr.fileno())) > 0
-    except (OSError, ValueError):
-        sized = False
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, disable=total_bytes < PROGRESS_BYTES,
-                leave=False, file=sys.stderr, dynamic_ncols=sized, ncols=None if sized else 100,
-                nrows=None if sized else 24)
-
-
-LINE_EVERY_S = 30.0
-
-
-class Lines:
-    """Progress as log lines (a log file, a batch job): what is done, the rate and the time left."""
-
-    def __init__(self, total: int, what: str):
-        self.total, self.what, self.done = total, what, 0
-        self.start = self.last = time.monotonic()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= LINE_EVERY_S:
-            self.last, rate = now, self.done / max(now - self.start, 1e-9)
-            log.info("%s: %d of %d MB (%.0f%%), %.1f MB/s, about %.0f s left", self.what, self.done >> 20,
-                     self.total >> 20, 100 * self.done / max(self.total, 1), rate / 1e6,
-                     max(self.total - self.done, 0) / max(rate, 1e-9))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -12,7 +12,8 @@ import torch
 
 from ..errors import ConfigError
 from ..schema import Positive, Range, Seed
-from .cache import Tokenised, build as build_cache, cache_key, progress
+from .cache import Tokenised, build as build_cache, cache_key
+from .progress import progress
 from . import identity
 from .corpus import Corpus
 from .packing import PadCollate, TokenWindows

@@ -23,6 +23,7 @@ from ..atomic import make_dir_beside
 from ..errors import ConfigError, need
 from .identity import tokenizer_digest, trained_tokenizer
 from .lock import building
+from .progress import progress
 
 log = logging.getLogger("looplib")
 
@@ -197,7 +198,6 @@ def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, n
     found = []
 
     def limited():
-        from .cache import progress  # (cache.py imports this module)
         with progress(min(total_bytes, TRAIN_BYTES), "reading text for the tokenizer") as bar:
             yield from cut_words(texts(), bar)
 
