@@ -7,7 +7,10 @@ One module per concern:
 - ``cache``: tokenise once into a memory-mapped cache under ``$LOOPLIB_CACHE``
 - ``packing``: next-token labels, windows, examples, packing, padding (collate)
 - the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
-  ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``)
+  ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``),
+  ``tokens`` (``data=tokens``: ids brought ready-made)
+- ``lock``: one builder per cache entry; ``index``: the files' digests, read again only when they change;
+  ``progress``: bars and lines while data is built
 - ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader, the held-out set
 - ``identity``: what a run was trained on (``Corpus.fingerprint``), compared on resume
 """
@@ -16,6 +19,7 @@ from .files import FileCorpus, TextCorpus
 from .pysource import PythonSource, python_files
 from .records import ClassificationCorpus, InstructCorpus
 from .synthetic import RandomCorpus, RandomTokens
+from .tokens import TokenCorpus
 from .loading import EpochSampler, Epochs, HeldOut, build_loader, held_out
 from .packing import (IGNORE, Examples, Packed, PadCollate, Sequences, TokenChunks, TokenWindows, next_token_example,
                       shift_labels)
@@ -23,6 +27,6 @@ from .packing import (IGNORE, Examples, Packed, PadCollate, Sequences, TokenChun
 
 __all__ = ["ClassificationCorpus", "Corpus", "EpochSampler", "Epochs", "Examples", "FileCorpus", "HeldOut", "IGNORE",
            "InstructCorpus", "Packed", "PadCollate", "PythonSource", "RandomCorpus", "RandomTokens", "Sequences",
-           "TextCorpus", "TokenChunks", "TokenWindows", "build_loader", "held_out",
+           "TextCorpus", "TokenChunks", "TokenCorpus", "TokenWindows", "build_loader", "held_out",
            "next_token_example", "shift_labels",
            "python_files"]

@@ -35,7 +35,6 @@ import mmap
 import os
 import random
 import shutil
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 
 from ..atomic import make_dir_beside
 from ..errors import ConfigError, disk_full
+from .lock import building
 from .tokenizer import cache_root
 
 log = logging.getLogger("looplib")
@@ -56,7 +56,6 @@ FULL_CHECK_BYTES = 1 << 30   # files up to 1 GiB are checked in full at every op
 SAMPLED_CHUNKS = 8           # a larger, unchanged file: this many random chunks, the first and the last
 CHECKED = "checked.json"     # stat of each large file at its last full check
 RELEASE_READS, RELEASE_BYTES = 8, 16 << 20   # how often a TokenFile unmaps what it has read
-PROGRESS_BYTES = 32 << 20   # inputs larger than this get a progress bar (on a terminal)
 
 
 class TokenFile:
@@ -149,6 +148,7 @@ class Writer:
         self.tokens = Chunked(root / "tokens.bin")
         self.target = Chunked(root / "target.bin") if with_target else None
         self.ends, self.labels, self.n = [], [], 0
+        self.ended: list[np.ndarray] = []   # ends added in bulk (``extend``), before those in ``ends``
 
     def add(self, ids, target=None, label=None, end: bool = True) -> None:
         """Append ids to the current document; ``end`` closes it (a large file comes in pieces)."""
@@ -161,17 +161,31 @@ class Writer:
             if label is not None:
                 self.labels.append(label)
 
+    def extend(self, ids: np.ndarray, ends: np.ndarray) -> None:
+        """Append many ids at once, a document ending after each position in ``ends`` (0..len(ids))."""
+        if self.ends:
+            self.ended.append(np.array(self.ends, np.int64))
+            self.ends = []
+        self.tokens.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
+        self.ended.append(self.n + np.asarray(ends, np.int64))
+        self.n += len(ids)
+
+    def open_tokens(self) -> int:
+        """Ids appended since the last document ended."""
+        last = self.ends[-1] if self.ends else next((int(e[-1]) for e in reversed(self.ended) if len(e)), 0)
+        return self.n - last
+
     @property
     def documents(self) -> int:
-        return len(self.ends)
+        return len(self.ends) + sum(map(len, self.ended))
 
     def close(self) -> dict:
         sums = {"tokens.bin": self.tokens.close()}
         if self.target is not None:
             sums["target.bin"] = self.target.close()
-        np.save(self.root / "offsets.npy", np.array([0] + self.ends, dtype=np.int64))
+        np.save(self.root / "offsets.npy", np.concatenate([[0], *self.ended, self.ends]).astype(np.int64))
         sums["offsets.npy"] = [crc_of(self.root / "offsets.npy")]
-        return {"format": FORMAT, "dtype": self.dtype.str, "tokens": self.n, "documents": len(self.ends),
+        return {"format": FORMAT, "dtype": self.dtype.str, "tokens": self.n, "documents": self.documents,
                 "target": self.target is not None, "labels": self.labels or None,
                 "chunk_bytes": CHUNK_BYTES, "checksums": sums}
 
@@ -295,6 +309,14 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
     found, why = opened(path)
     if found is not None:
         return found
+    with building(path.parent, path.name, f"the token cache {path}"):  # one builder; the others wait, then open it
+        return built(path, name, vocab_size, fill, with_target)
+
+
+def built(path: Path, name: str, vocab_size: int, fill: Callable[[Writer], None], with_target: bool) -> Tokenised:
+    found, why = opened(path)
+    if found is not None:  # built while this process waited for the lock
+        return found
     if path.exists():
         log.warning("the token cache %s is %s: building it again", path, why or "incomplete")
         shutil.rmtree(path, ignore_errors=True)
@@ -306,6 +328,7 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
             raise disk_full(err, str(path)) from None
         raise ConfigError("data", f"cannot write the token cache {path} ({err})",
                           "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    log.info("building the token cache %s", path)
     try:
         writer = Writer(tmp, "<u2" if vocab_size <= 1 << 16 else "<u4", with_target)
         try:
@@ -321,12 +344,3 @@ def build(name: str, key: str, vocab_size: int, fill: Callable[[Writer], None], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load(path)
-
-
-def progress(total_bytes: int, what: str):
-    """A byte-counting tqdm bar on a terminal for large inputs; a no-op otherwise."""
-    from tqdm import tqdm
-
-    show = total_bytes >= PROGRESS_BYTES and sys.stderr.isatty()
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenising {what}", disable=not show,
-                leave=False)

@@ -3,6 +3,7 @@
 in windows). Records with fields of their own are in ``records.py``."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Annotated, Iterator, Literal
 
@@ -11,16 +12,18 @@ import torch
 
 from ..errors import ConfigError
 from ..schema import Positive, Range, Seed
-from .cache import Tokenised, build as build_cache, cache_key, progress
+from .cache import Tokenised, build as build_cache, cache_key
+from .progress import progress
 from . import identity
 from .corpus import Corpus
 from .packing import PadCollate, TokenWindows
-from .readers import content_digest, file_digests, is_records, records, resolve_files, text_field, text_pieces
+from .readers import content_digest, document_bound, file_digests, is_records, records, resolve_files, text_field, text_pieces
 from .tokenizer import TokenizerInfo, load_tokenizer, train_tokenizer
 
 
 EvalFraction = Annotated[float, Range(ge=0, lt=1)]   # 0: no held-out data
-ENCODE_BATCH_CHARS = 8 << 20   # text handed to the tokenizer at once (its threads split the batch)
+ENCODE_BATCH_CHARS = 2 << 20   # text handed to the tokenizer at once (its threads split the batch; it holds
+                               # about 170 bytes per character until the batch is done)
 
 
 class FileCorpus(Corpus):
@@ -43,15 +46,51 @@ class FileCorpus(Corpus):
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
         self.check_files(files, "data.path")
         self.check_files(eval_files, "data.eval_path")
-        digests, eval_digests = file_digests(files), file_digests(eval_files)
+        strict = lambda f: errors == "strict" and not is_records(f)  # noqa: E731 - (refused now, not after training)
+        digests, eval_digests = file_digests(files, "data.path", strict), file_digests(eval_files, "data.eval_path", strict)
         train_part = identity.part(files, digests)
         self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
             "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)}}
         identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
+        if tokenizer is None:  # before training one (a given tokenizer's own refusals come first: they cost nothing)
+            self.refuse_early(files, eval_files, eval_fraction, seed, path)
         self.info = self.tokenizer_for(tokenizer, vocab_size, files, digests)
+        if tokenizer is not None:
+            self.refuse_early(files, eval_files, eval_fraction, seed, path)
         self.tokenizer, self.tokenizer_source = self.info.tokenizer, self.info.source
         self.eos_id, self.pad_id = self.info.eos_id, self.info.pad_id
         self.vocab_size = max(vocab_size, self.info.vocab_size)
+        try:
+            self.made(files, digests, eval_files, eval_digests, eval_fraction, seed, path)
+        except ConfigError:  # refused: a tokenizer trained by this run for nothing does not stay in the cache
+            if self.info.trained_now is not None:
+                shutil.rmtree(self.info.trained_now, ignore_errors=True)
+            raise
+        self.collate = PadCollate(self.pad_id) if self.padded else None
+
+    def refuse_early(self, files, eval_files, eval_fraction, seed, path) -> None:
+        """The refusals that the files' count, sizes and lines decide, before a tokenizer trains: no
+        text at all, too few documents to hold some out. ``document_bound`` counts documents
+        without parsing (at most: what it refuses, the real count refuses too); when it refuses and
+        the files hold records, those few records are read to say what is wrong with them first."""
+        for where, key in ((files, "data.path"), (eval_files, "data.eval_path")):
+            if where and document_bound(where, 1) == 0:
+                raise no_text(where, key)
+        if eval_files or eval_fraction == 0:
+            return
+        enough = int(2 / (1 - eval_fraction)) + 2  # (more documents: some are left for training)
+        n = document_bound(files, enough)
+        if n is None or n >= enough or len(split_documents(n, eval_fraction, seed, path, refuse=False)[0]):
+            return
+        rec = [f for f in files if is_records(f)]
+        if rec:  # fewer than `enough` records: reading them costs nothing (a malformed one is said first)
+            n -= document_bound(rec, enough)
+            n += sum(1 for *_, end in self.units(rec, "data.path") if end)
+        if n == 0:
+            raise no_text(files, "data.path")
+        split_documents(n, eval_fraction, seed, path)
+
+    def made(self, files, digests, eval_files, eval_digests, eval_fraction, seed, path) -> None:
         data = self.tokenise(files, "data.path", digests)
         if eval_files:
             held = self.tokenise(eval_files, "data.eval_path", eval_digests)
@@ -60,7 +99,6 @@ class FileCorpus(Corpus):
         else:  # the documents of each split (indices into the tokenised files)
             self.train_docs, self.eval_docs = split_documents(len(data), eval_fraction, seed, path)
             self.build(data, self.train_docs, data, self.eval_docs, "data.eval_fraction")
-        self.collate = PadCollate(self.pad_id) if self.padded else None
 
     padded = False
 
@@ -73,9 +111,8 @@ class FileCorpus(Corpus):
     def tokenizer_for(self, spec: str | None, vocab_size: int, files: list[Path], digests: list[str]) -> TokenizerInfo:
         if spec is None:
             key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files, digests))
-            info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=ConfigError(
-                "data.path", f"{describe_files(files)} holds no text (every file or record is empty)",
-                "give files with text in them"))
+            info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=no_text(files, "data.path"),
+                                   total_bytes=sum(f.stat().st_size for f in files))
             self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
             return info
         info = load_tokenizer(str(spec))
@@ -110,7 +147,7 @@ class FileCorpus(Corpus):
 
         def fill(writer):
             pending, chars = [], 0
-            with progress(total, files[0].parent.name or str(files[0])) as bar:
+            with progress(total, f"tokenising {files[0].parent.name or files[0]}") as bar:
                 for unit in self.units(files, key, bar):
                     pending.append(unit)
                     chars += sum(len(t) for t, _ in unit[0])
@@ -119,8 +156,7 @@ class FileCorpus(Corpus):
                         pending, chars = [], 0
                 self.write(writer, pending)
             if writer.documents == 0:
-                raise ConfigError(key, f"{describe_files(files)} holds no text (every file or record is empty)",
-                                  "give files with text in them")
+                raise no_text(files, key)
 
         return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=self.kind == "instruct")
 
@@ -196,16 +232,23 @@ class TextCorpus(FileCorpus):
                                   f"seq_len + 1 = {self.seq_len + 1}", "give more text, or a shorter model.seq_len")
 
 
-def split_documents(n: int, fraction: float, seed: int, path) -> tuple[np.ndarray, np.ndarray]:
+def split_documents(n: int, fraction: float, seed: int, path, refuse: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Documents for training and for the held-out split: a seeded random choice of whole
-    documents (none in both), as sorted indices."""
+    documents (none in both), as sorted indices (``refuse=False``: none for training, unrefused)."""
     n_eval = 0 if fraction == 0 else max(1, round(n * fraction))
+    if n_eval >= n and not refuse:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if n_eval >= n:
         raise ConfigError("data.eval_fraction", f"{describe_files(path)} holds {n} document(s): none would be left for "
                           f"training after holding out {n_eval}",
                           "give more files or records, data.eval_path=FILE, or data.eval_fraction=0")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+
+
+def no_text(files, key: str) -> ConfigError:
+    return ConfigError(key, f"{describe_files(files)} holds no text (every file or record is empty)",
+                       "give files with text in them")
 
 
 def describe_files(path) -> str:

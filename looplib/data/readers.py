@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import ConfigError, need
+from .index import file_digests  # noqa: F401 - (read through an index of sizes and times)
 
 RECORDS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet"}
-CHUNK_BYTES = 4 << 20   # large text files are tokenised in pieces cut after a newline
+CHUNK_BYTES = 1 << 20   # plain text is tokenised in pieces of at most this many bytes (``text_pieces``)
+SPACES = b" \t\r\x0b\x0c"   # where a line longer than CHUNK_BYTES is cut
 
 
 def resolve_files(path: str | list[str] | None, key: str = "data.path") -> list[Path]:
@@ -74,14 +76,32 @@ def is_records(path: Path) -> bool:
     return path.suffix.lower() in RECORDS
 
 
-def file_digests(files: list[Path]) -> list[str]:
-    """The sha256 of each file's bytes (hex)."""
-    out = []
+LINES = {".jsonl", ".ndjson", ".csv", ".tsv"}   # formats with at most one record per line
+
+
+def document_bound(files: list[Path], enough: int) -> int | None:
+    """At most how many documents (plain files, records) ``files`` hold, counted only up to
+    ``enough``, without parsing anything: a plain file that is not blank (``blank``) is one, a JSONL file has
+    at most a record per line that is not blank, a CSV file one per line after its header. None
+    when a file's count is not known that cheaply (JSON, Parquet)."""
+    n = 0
     for f in files:
-        with open(f, "rb") as fh:
-            out.append(hashlib.file_digest(fh, "sha256").hexdigest() if hasattr(hashlib, "file_digest")
-                       else hashlib.sha256(fh.read()).hexdigest())
-    return out
+        if n >= enough:
+            return n
+        suffix = f.suffix.lower()
+        if not is_records(f):
+            n += not blank(f)
+        elif suffix not in LINES:
+            return None
+        else:
+            lines = -1 if suffix in (".csv", ".tsv") else 0
+            with open(f, "rb") as fh:
+                for line in fh:
+                    lines += bool(line.strip())
+                    if n + lines >= enough:
+                        break
+            n += max(lines, 0)
+    return n
 
 
 def content_digest(files: list[Path], digests: list[str] | None = None) -> str:
@@ -94,23 +114,43 @@ def content_digest(files: list[Path], digests: list[str] | None = None) -> str:
 
 
 def text_pieces(path: Path, errors: str = "strict") -> Iterator[str]:
-    """A plain text file as pieces of about ``CHUNK_BYTES``, each cut after a newline (a UTF-8
-    character never contains the newline byte, so no character is split)."""
-    offset, rest = 0, b""
+    """A plain text file as pieces of at most ``CHUNK_BYTES``, so that memory does not grow with
+    the length of a line (the tokenizer holds about 170 bytes per character it encodes at once).
+    Each piece is cut where ``cut`` says; a UTF-8 character is never split."""
+    offset, data = 0, b""
     with open(path, "rb") as fh:
         while True:
             block = fh.read(CHUNK_BYTES)
-            data = rest + block
+            data += block
+            while len(data) > CHUNK_BYTES or (not block and data):
+                at = len(data) if len(data) <= CHUNK_BYTES else cut(data[:CHUNK_BYTES])
+                yield decode(data[:at], path, offset, errors)
+                offset, data = offset + at, data[at:]
             if not block:
-                if data:
-                    yield decode(data, path, offset, errors)
                 return
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                rest = data
-                continue
-            yield decode(data[:cut], path, offset, errors)
-            offset, rest = offset + cut, data[cut:]
+
+
+def cut(data: bytes) -> int:
+    """Where to end a piece of text: after its last newline; with none (a long line), before its
+    last space, else after its last other whitespace (so a byte-level BPE splits the text into
+    the same words either way: a space goes with the word after it); else before the first byte
+    of its last UTF-8 character (continuation bytes are 0b10xxxxxx). Never 0."""
+    at = data.rfind(b"\n") + 1 or max(data.rfind(b" "), 0) or max(data.rfind(bytes([b])) for b in SPACES[1:]) + 1
+    if at:
+        return at
+    at = len(data) - 1
+    while at > 0 and data[at] & 0xC0 == 0x80 and len(data) - at < 4:
+        at -= 1
+    return at or len(data)
+
+
+def blank(path: Path) -> bool:
+    """Whether a file holds nothing but ASCII whitespace (read up to its first other byte)."""
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 16):
+            if block.strip():
+                return False
+    return True
 
 
 def decode(data: bytes, path: Path, offset: int, errors: str, where: str = "") -> str:

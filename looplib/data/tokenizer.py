@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -20,12 +22,20 @@ from typing import Callable, Iterable
 from ..atomic import make_dir_beside
 from ..errors import ConfigError, need
 from .identity import tokenizer_digest, trained_tokenizer
+from .lock import building
+from .progress import progress
 
 log = logging.getLogger("looplib")
 
 EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 TRAIN_BYTES = 200 << 20  # a BPE is trained on at most this much text (the first documents)
+# The trainer sees no word (run of non-whitespace) longer than this: longer runs reach it cut into
+# pieces of MAX_WORD characters. Its time grows with the square of a word's length (measured with
+# tokenizers 0.23 on 4 MB of one repeated character: 0.2 s for words of 1,000 characters, 0.4 s
+# for 10,000, 15 s for 100,000, over 240 s for one 4 MB word), so this bounds it on any text.
+MAX_WORD = 4096
+LONG_WORD = re.compile(r"(\S{%d})" % MAX_WORD)
 
 
 def cache_root() -> Path:
@@ -42,6 +52,7 @@ class TokenizerInfo:
     prefix: list[int] = field(default_factory=list)   # what add_special_tokens puts before a text (BOS, [CLS])
     suffix: list[int] = field(default_factory=list)   # ... and after it ([SEP])
     chat_template: str | None = None
+    trained_now: Path | None = None    # the cache entry this process trained it into (removed if the run is refused)
 
     @property
     def vocab_size(self) -> int:
@@ -144,15 +155,14 @@ def specials(tok) -> tuple[list[int], list[int]]:
 
 
 def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
-                    root: Path | None = None, nothing: ConfigError | None = None) -> TokenizerInfo:
+                    root: Path | None = None, nothing: ConfigError | None = None, total_bytes: int = 0) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
     cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
     temporary directory, then renamed). A cached file that does not load is trained again,
     except under a resume: then the run's own tokenizer is used or the resume refused
     (``identity.trained_tokenizer``). ``texts()`` that hold no text (empty or blank files) are
-    refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-
+    refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached.
+    ``total_bytes``: the size of the text, for the progress bar (or lines) of a large one."""
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
@@ -160,6 +170,17 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
     resumed = trained_tokenizer(target, vocab_size)  # a resume: the run's own, never a new one
     if resumed is not None:
         return TokenizerInfo(resumed, source=None, eos_id=resumed.token_to_id(EOT), pad_id=resumed.token_to_id(EOT))
+    cached = cached_tokenizer(target)
+    if cached is not None:
+        return cached
+    with building(target.parent, target.name, f"the tokenizer {target}"):  # one trainer; the others wait, then load it
+        return cached_tokenizer(target) or trained(texts, vocab_size, target, nothing, total_bytes)
+
+
+def cached_tokenizer(target: Path) -> TokenizerInfo | None:
+    """The tokenizer cached at ``target``, or None (one that does not load is removed)."""
+    from tokenizers import Tokenizer
+
     if (target / "tokenizer.json").is_file():
         try:
             tok = Tokenizer.from_file(str(target / "tokenizer.json"))
@@ -168,15 +189,28 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
             log.warning("the cached tokenizer %s is unreadable (%s): training it again", target,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             shutil.rmtree(target, ignore_errors=True)
+    return None
+
+
+def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, nothing, total_bytes: int) -> TokenizerInfo:
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
     found = []
 
     def limited():
+        with progress(min(total_bytes, TRAIN_BYTES), "reading text for the tokenizer") as bar:
+            yield from cut_words(texts(), bar)
+
+    def cut_words(texts, bar):
         seen = 0
-        for text in texts():
+        for text in texts:
+            bar.update(len(text))
             if not found and text.strip():
                 found.append(True)
-            yield text
+            if len(text) > MAX_WORD and LONG_WORD.search(text):
+                yield from (part for part in LONG_WORD.split(text) if part)  # each its own sequence
+            else:
+                yield text
             seen += len(text)
             if seen >= TRAIN_BYTES:
                 return
@@ -184,7 +218,7 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
     log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                            show_progress=False)
+                            show_progress=sys.stderr.isatty())  # (its own bar: counting words, then merges)
     if not found:  # nothing to learn from: no tokenizer of 257 bytes goes into the cache
         raise nothing or ConfigError("data.path", "the data holds no text to train a tokenizer on (every file or "
                                      "record is empty)", "give files with text in them")
@@ -194,14 +228,16 @@ def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: st
     except OSError as err:
         raise ConfigError("data", f"cannot write the tokenizer cache {target} ({err})",
                           "point LOOPLIB_CACHE (or data.cache_dir) at a writable directory") from None
+    ours = None
     try:
         bpe.save(str(tmp / "tokenizer.json"))
         os.rename(tmp, target)
+        ours = target
     except OSError:  # another process finished first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
-    return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot)
+    return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot, trained_now=ours)
 
 
 def tokenizer_size(spec, default: int) -> int:
