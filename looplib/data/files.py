@@ -122,7 +122,8 @@ class FileCorpus(Corpus):
                 raise ConfigError(key, f"{describe_files(files)} holds no text (every file or record is empty)",
                                   "give files with text in them")
 
-        return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=self.kind == "instruct")
+        targets = self.kind in ("instruct", "preference")  # a flag per token: carries loss
+        return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=targets)
 
     def write(self, writer, units) -> None:
         texts = [text for segments, *_ in units for text, _ in segments]

@@ -121,6 +121,19 @@ def check_sequences_fit(corpus: Any, model: Any) -> None:
                           "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
 
 
+def check_pairs(corpus: Any, objective: Any, record: Record) -> None:
+    """A preference objective (``loss=dpo``) needs data of pairs, and pairs need such an objective:
+    any other would train on the rejected completions as on the chosen ones."""
+    wants, has = getattr(objective, "pairs", False), getattr(corpus, "pairs", False)
+    if wants and not has:
+        raise ConfigError("data", f"loss{record.origins.get('loss', '')} trains on pairs of completions (chosen and "
+                          f"rejected), and the data{record.origins.get('data', '')} hold none",
+                          "use data=preference data.path=PAIRS.jsonl (records with prompt, chosen and rejected)")
+    if has and not wants:
+        raise ConfigError("loss", f"data=preference holds pairs, and loss{record.origins.get('loss', '')} would train "
+                          "on the rejected completions as on the chosen ones", "use loss=dpo, loss=simpo or loss=orpo")
+
+
 def model_name(model: nn.Module) -> str:
     """The model as the user chose it: its class, and the transformers class inside looplib's
     wrapper (``CausalLM (LlamaForCausalLM)``)."""
@@ -158,11 +171,15 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     if check_data is not None:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
+    check_pairs(parts.data, parts.objective, record)
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)
     job.model_name = name
     job.model = engine.setup(model)
+    attach = getattr(job.objective, "attach", None)  # an objective that keeps the starting model (DPO's reference)
+    if attach is not None:  # before a resumed checkpoint is loaded, and before batch_size=auto probes memory
+        attach(job.model, engine)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         # probed eager, before compiling: probing a compiled model with several batch sizes would
         # leave it a dynamic-shape graph (slower kernels) for the size finally chosen
