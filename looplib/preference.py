@@ -24,7 +24,9 @@ starting weights. The reference forward runs in eval mode (no dropout) without g
 Metrics (``train_metrics`` on logging steps, ``eval_metrics`` at evaluations): the mean chosen and
 rejected rewards (``beta`` x the log-probability ratio to the reference; reference-free
 objectives: ``beta`` x the mean log-probability per token), reward accuracy (the share of pairs
-whose chosen reward is the higher), the margin (chosen minus rejected), the mean log-probabilities.
+whose chosen reward is the higher), the margin (chosen minus rejected), and the completions'
+log-probabilities as the objective uses them (DPO, either type: summed over the completion's
+tokens, as its rewards; SimPO, ORPO: the mean per token); each a mean over the pairs.
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ class DPO(Preference):
         if type == "ipo" and label_smoothing:
             raise ConfigError("loss.label_smoothing", "loss.type=ipo takes no label smoothing",
                               "leave loss.label_smoothing=0 with loss.type=ipo")
-        self.type, self.average = type, type == "ipo"
+        self.type = type
         self.reference, self.adapters = None, None
 
     def attach(self, model: torch.nn.Module, engine=None) -> None:
@@ -172,10 +174,14 @@ class DPO(Preference):
         self.count(batch)  # a batch without pairs: refused
         policy, sizes = self.logps(model, batch)
         reference, _ = self.reference_logps(model, batch)
-        pc, pr = self.split(policy, sizes, batch)
-        rc, rr = self.split(reference, sizes, batch)
-        h = (pc - pr) - (rc - rr)
-        losses = (h - 1 / (2 * self.beta)) ** 2 if self.type == "ipo" else self.smoothed(self.beta * h)
+        c = batch["chosen"]
+        pc, pr, rc, rr = policy[c], policy[~c], reference[c], reference[~c]
+        if self.type == "ipo":  # the difference of mean log-probabilities per completion token
+            nc, nr = sizes[c].clamp(min=1), sizes[~c].clamp(min=1)
+            losses = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * self.beta)) ** 2
+        else:
+            losses = self.smoothed(self.beta * ((pc - pr) - (rc - rr)))
+        # the rewards: beta x the summed log-probability ratios, for either type
         self.tally(self.beta * (pc - rc).detach(), self.beta * (pr - rr).detach(), pc.detach(), pr.detach())
         return losses.sum()
 

@@ -121,17 +121,18 @@ def check_sequences_fit(corpus: Any, model: Any) -> None:
                           "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
 
 
-def check_pairs(corpus: Any, objective: Any, record: Record) -> None:
+def check_pairs(corpus: Any, objective: Any) -> None:
     """A preference objective (``loss=dpo``) needs data of pairs, and pairs need such an objective:
     any other would train on the rejected completions as on the chosen ones."""
     wants, has = getattr(objective, "pairs", False), getattr(corpus, "pairs", False)
     if wants and not has:
-        raise ConfigError("data", f"loss{record.origins.get('loss', '')} trains on pairs of completions (chosen and "
-                          f"rejected), and the data{record.origins.get('data', '')} hold none",
+        raise ConfigError("data", f"the loss ({type(objective).__name__}) trains on pairs of completions (chosen "
+                          f"and rejected), and the data ({type(corpus).__name__}) hold none",
                           "use data=preference data.path=PAIRS.jsonl (records with prompt, chosen and rejected)")
     if has and not wants:
-        raise ConfigError("loss", f"data=preference holds pairs, and loss{record.origins.get('loss', '')} would train "
-                          "on the rejected completions as on the chosen ones", "use loss=dpo, loss=simpo or loss=orpo")
+        raise ConfigError("loss", f"data=preference holds pairs, and the loss ({type(objective).__name__}) would "
+                          "train on the rejected completions as on the chosen ones",
+                          "use loss=dpo, loss=simpo or loss=orpo")
 
 
 def model_name(model: nn.Module) -> str:
@@ -171,7 +172,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     if check_data is not None:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
-    check_pairs(parts.data, parts.objective, record)
+    check_pairs(parts.data, parts.objective)
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job(parts, settings, record)
