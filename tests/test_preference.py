@@ -335,3 +335,36 @@ def test_dpo_equals_trl_dpo_trainer_loss_gradients_and_rewards(tmp_path, tiny_pr
         ours = {"margins": "reward_margin", "accuracies": "reward_accuracy"}.get(name, f"reward_{name}")
         assert metrics[ours] == pytest.approx(logged[f"rewards/{name}"], abs=1e-5)
     assert metrics["logp_chosen"] == pytest.approx(logged["logps/chosen"], abs=1e-4)
+
+
+def test_chat_pairs_carry_loss_on_the_last_assistant_turn_only(tmp_path, tiny_pretrained):
+    """Chat form: the prompt's turns in a separate list or inside each completion's messages; the
+    conversation rendered with the tokenizer's chat template, loss on the final assistant turn."""
+    pytest.importorskip("transformers")
+    turns = [{"role": "user", "content": "two plus two?"}, {"role": "assistant", "content": "four"},
+             {"role": "user", "content": "and three?"}]
+    good, bad = [{"role": "assistant", "content": "five"}], [{"role": "assistant", "content": "six"}]
+    rows = [{"prompt": turns, "chosen": good, "rejected": bad}, {"chosen": turns + good, "rejected": turns + bad}] * 3
+    corpus = PreferenceCorpus(str(write_jsonl(tmp_path / "chat.jsonl", rows)), seq_len=200, tokenizer=str(tiny_pretrained),
+                              vocab_size=384, eval_fraction=0.0)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_pretrained / "tokenizer.json"))
+    for i in range(2):  # both layouts give the same tokens
+        item = corpus.train[i]
+        for side, answer in (("chosen", "five"), ("rejected", "six")):
+            labels = item[f"{side}_labels"]
+            learnt = tok.decode(labels[labels != -100].tolist(), skip_special_tokens=False)
+            assert learnt.startswith(answer) and "four" not in learnt  # the earlier assistant turn is prompt
+            text = tok.decode(item[f"{side}_input_ids"].tolist(), skip_special_tokens=False)
+            assert text.startswith("<|user|>\ntwo plus two?") and "four" in text
+    assert corpus.train[0]["chosen_input_ids"].tolist() == corpus.train[1]["chosen_input_ids"].tolist()
+
+
+def test_dpo_under_lora_from_the_command_line_starts_at_ln2(tmp_path):
+    pytest.importorskip("peft")
+    r = run_cli("data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", "+peft=lora", *TINY,
+                "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "adapters switched off" in r.stdout + r.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == LN2 and rows[1]["loss"] != LN2 and (tmp_path / "run" / "adapter").is_dir()
