@@ -368,3 +368,27 @@ def test_dpo_under_lora_from_the_command_line_starts_at_ln2(tmp_path):
     assert "adapters switched off" in r.stdout + r.stderr
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == LN2 and rows[1]["loss"] != LN2 and (tmp_path / "run" / "adapter").is_dir()
+
+
+def test_dpo_on_two_processes_equals_one_process_of_twice_the_batch(tmp_path):
+    """+engine=ddp, 2 processes of 2 pairs = 1 process of 4 pairs: the same losses, rewards and weights
+    (the window's pairs are counted over both ranks)."""
+    from safetensors.torch import load_file
+    from test_engines_ddp import LOSS_RTOL, WEIGHT_ATOL, torchrun
+
+    job = ["data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", *TINY, "max_steps=3", "eval_every=3",
+           "+optim=sgd", "optim.momentum=0"]
+    two = torchrun("+engine=ddp", *job, "batch_size=2", f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    one = run_cli(*job, "batch_size=4", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    read = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    for a, b in zip(read("two"), read("one")):
+        for key in ("loss", "eval_loss", "reward_accuracy"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=LOSS_RTOL, abs=1e-7), key
+        for key in ("reward_margin", "eval_reward_margin"):  # beta x differences of log-probabilities near -100:
+            if key in b:  # the all-reduce's last bit in the weights moves them by the fp32 spacing there
+                assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    weights, expected = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert max((weights[k] - expected[k]).abs().max().item() for k in expected) < WEIGHT_ATOL

@@ -92,10 +92,11 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.about.update({k: launched(geometry)[k] for k in ("launcher", "world_size", "global_batch")})
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
     total, trained_count = parameter_counts(job.model)
-    log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
+    log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d %s%s, precision %s, "
              "optimizer %s", getattr(job, "model_name", None) or type(engine.unwrap(job.model)).__name__, total / 1e6,
              f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "", engine.device, state.step + 1,
-             s.max_steps, micro_batch, s.accum_steps, ranks, job.precision.name, optimizer_name)
+             s.max_steps, micro_batch, s.accum_steps, "pairs" if getattr(job.objective, "pairs", False) else "sequences",
+             ranks, job.precision.name, optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
