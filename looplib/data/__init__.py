@@ -7,7 +7,8 @@ One module per concern:
 - ``cache``: tokenise once into a memory-mapped cache under ``$LOOPLIB_CACHE``
 - ``packing``: next-token labels, windows, examples, packing, padding (collate)
 - the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
-  ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``)
+  ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``),
+  ``preference`` (``data=preference``: prompt, chosen and rejected completions)
 - ``loading``: the seeded, resumable sampler, the epoch stream, the DataLoader, the held-out set
 - ``identity``: what a run was trained on (``Corpus.fingerprint``), compared on resume
 """
