@@ -126,6 +126,8 @@ class Telemetry:
     # with every row so that a recompile shows where it happened; {} when nothing is compiled
     compiled = staticmethod(lambda: {})
     about: dict = {}   # facts about the run said once, in the first row (the model's dropout)
+    # the objective's own metrics since the last row (a preference objective's rewards), on every logging step
+    objective_metrics = staticmethod(lambda: {})
 
     def __init__(self, path: str | Path | None = None, *, log_every: int = 10, total_steps: int = 0,
                  device: torch.device | str = "cpu", enabled: bool = True, progress: str = "auto",
@@ -218,6 +220,7 @@ class Telemetry:
             row["started_at"] = self._started_at
             row.update(self.about)
         row.update(self._extra(dt))
+        row.update(self.objective_metrics())
         row.update(self.compiled())
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()

@@ -37,6 +37,10 @@ def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, 
         rows = "".join(f'{{"text": "{"def f(x): return x " * 40}", "prompt": "p{i}", "completion": "c"}}\n' for i in range(9))
         (tmp_path / "records.jsonl").write_text(rows)
         data = [f"data.path={tmp_path / 'records.jsonl'}", "data.eval_fraction=0"]
+    if (group, option) == ("data", "preference"):  # pairs
+        rows = "".join(f'{{"prompt": "p{i}", "chosen": " yes {i}", "rejected": " no"}}\n' for i in range(9))
+        (tmp_path / "pairs.jsonl").write_text(rows)
+        data = [f"data.path={tmp_path / 'pairs.jsonl'}", "data.eval_fraction=0"]
     if group == "model" and option.startswith("hf"):  # a pretrained directory is what they load
         data += [f"model.path={request.getfixturevalue('tiny_pretrained')}", "model.seq_len=16"]
     cfg = compose_with(f"{prefix}{group}={option}", *data)

@@ -158,7 +158,8 @@ class FileCorpus(Corpus):
             if writer.documents == 0:
                 raise no_text(files, key)
 
-        return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=self.kind == "instruct")
+        targets = self.kind in ("instruct", "preference")  # a flag per token: carries loss
+        return build_cache(self.kind, digest, self.info.vocab_size, fill, with_target=targets)
 
     def write(self, writer, units) -> None:
         texts = [text for segments, *_ in units for text, _ in segments]

@@ -143,6 +143,20 @@ def check_labels(corpus: Any, objective: Any, samples: int = 8) -> None:
                              torch.as_tensor(positions) if positions is not None else None)
 
 
+def check_pairs(corpus: Any, objective: Any) -> None:
+    """A preference objective (``loss=dpo``) needs data of pairs, and pairs need such an objective:
+    any other would train on the rejected completions as on the chosen ones."""
+    wants, has = getattr(objective, "pairs", False), getattr(corpus, "pairs", False)
+    if wants and not has:
+        raise ConfigError("data", f"the loss ({type(objective).__name__}) trains on pairs of completions (chosen "
+                          f"and rejected), and the data ({type(corpus).__name__}) hold none",
+                          "use data=preference data.path=PAIRS.jsonl (records with prompt, chosen and rejected)")
+    if has and not wants:
+        raise ConfigError("loss", f"data=preference holds pairs, and the loss ({type(objective).__name__}) would "
+                          "train on the rejected completions as on the chosen ones",
+                          "use loss=dpo, loss=simpo or loss=orpo")
+
+
 def model_name(model: nn.Module) -> str:
     """The model as the user chose it: its class, and the transformers class inside looplib's
     wrapper (``CausalLM (LlamaForCausalLM)``)."""
@@ -185,6 +199,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     if check_data is not None:
         check_data(parts.data)
     check_sequences_fit(parts.data, parts.model)
+    check_pairs(parts.data, parts.objective)
     check_labels(parts.data, parts.objective)
     check_base = getattr(parts.peft, "check_base", None)  # LoRA on a model never trained: refused unless said
     if check_base is not None:
@@ -195,6 +210,9 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     job.model_name = name
     job.counts = parameter_counts(model)  # as the user's model defines them, before any engine shards it
     job.model = engine.setup(model)
+    attach = getattr(job.objective, "attach", None)  # an objective that keeps the starting model (DPO's reference)
+    if attach is not None:  # before a resumed checkpoint is loaded, and before batch_size=auto probes memory
+        attach(job.model, engine)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         # probed eager, before compiling: probing a compiled model with several batch sizes would
         # leave it a dynamic-shape graph (slower kernels) for the size finally chosen

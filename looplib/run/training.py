@@ -84,6 +84,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.resumed_from = state.step or None
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
+    if hasattr(job.objective, "train_metrics"):  # e.g. DPO's rewards, summed over every rank (a collective)
+        telemetry.objective_metrics = lambda: job.objective.train_metrics(reduce=engine.sum_across_ranks)
     telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
     dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
     telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)
@@ -93,11 +95,13 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     if state.step >= s.max_steps:  # a finished run whose weights were never written (looplib.run.resume.check_steps)
         log.info("nothing left to train (step %d of %d): writing the end of the run", state.step, s.max_steps)
     else:
-        log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d sequences%s, precision %s, "
+        log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d %s%s, precision %s, "
                  "optimizer %s", getattr(job, "model_name", None) or type(engine.unwrap(job.model)).__name__,
                  total / 1e6, (f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "") +
                  (f", the base's {four_bit / 1e6:.2f}M held in 4 bits" if four_bit else ""), engine.device,
-                 state.step + 1, s.max_steps, micro_batch, s.accum_steps, ranks, job.precision.name, optimizer_name)
+                 state.step + 1, s.max_steps, micro_batch, s.accum_steps,
+                 "pairs" if getattr(job.objective, "pairs", False) else "sequences", ranks, job.precision.name,
+                 optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
