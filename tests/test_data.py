@@ -67,3 +67,17 @@ def test_python_source_without_files(tmp_path):
     from looplib.errors import ConfigError
     with pytest.raises(ConfigError, match="too few to train on and hold one out"):
         PythonSource(seq_len=8, root=str(tmp_path), cache_dir=str(tmp_path))
+
+
+def test_a_tokenizer_that_learned_fewer_tokens_than_asked_says_so(tmp_path, caplog):
+    """The log said "training a 8192-token tokenizer" of one that came out with 7,396 (issue 43): it
+    now says "up to", and then how many were learned and how many embeddings go unused."""
+    import logging
+    from looplib.data.tokenizer import trained
+    texts = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
+    with caplog.at_level(logging.INFO, logger="looplib"):
+        info = trained(lambda: iter(texts), 2048, tmp_path / "tok", None, sum(map(len, texts)))
+    learned = info.tokenizer.get_vocab_size()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert learned < 2048 and "of up to 2048 tokens" in said
+    assert f"the tokenizer learned {learned} tokens" in said and f"{2048 - learned} never used" in said

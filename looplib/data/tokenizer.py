@@ -215,7 +215,7 @@ def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, n
             if seen >= TRAIN_BYTES:
                 return
 
-    log.info("training a %d-token byte-level BPE tokenizer on the data (cached in %s)", vocab_size, target)
+    log.info("training a byte-level BPE tokenizer of up to %d tokens on the data (cached in %s)", vocab_size, target)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(limited(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
                             show_progress=sys.stderr.isatty())  # (its own bar: counting words, then merges)
@@ -237,6 +237,9 @@ def trained(texts: Callable[[], Iterable[str]], vocab_size: int, target: Path, n
         shutil.rmtree(tmp, ignore_errors=True)
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
+    if tok.get_vocab_size() < vocab_size:  # a small corpus has fewer merges to learn than asked for
+        log.info("the tokenizer learned %d tokens (the data held no more pairs seen twice); the model keeps %d "
+                 "embeddings, %d never used", tok.get_vocab_size(), vocab_size, vocab_size - tok.get_vocab_size())
     return TokenizerInfo(tok, source=None, eos_id=eot, pad_id=eot, trained_now=ours)
 
 
