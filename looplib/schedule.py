@@ -29,6 +29,20 @@ class Schedule:
     def check(self, total_steps: int) -> None:
         """Refuse settings this schedule cannot run in ``total_steps`` (max_steps): nothing to refuse here."""
 
+    def moved(self, step: int, saved_total: int, total: int) -> str | None:
+        """What a resume that changes max_steps does to this schedule at ``step`` (None: nothing):
+        the factor is recomputed over the new max_steps, so a run resumed inside a cool-down with more
+        steps goes back up (WSD: to its peak) and a cosine stretches from where it stood."""
+        if saved_total == total:
+            return None
+        before, after = self.factor(step, saved_total), self.factor(step, total)
+        if abs(before - after) < 1e-12:
+            return None
+        way = "rises" if after > before else "falls"
+        return (f"max_steps {saved_total} -> {total} recomputes the {type(self).__name__} schedule over {total} steps: "
+                f"at step {step} the lr {way} from {before:.4g} x lr to {after:.4g} x lr"
+                + (" (back out of its cool-down)" if after > before and before < 1.0 else ""))
+
 
 def fits(warmup_steps: int, total_steps: int, decay_steps: int = 0) -> None:
     """The rule every warm-up shares: it ends before max_steps (a run spent in warm-up never

@@ -79,3 +79,26 @@ def test_a_resume_to_fewer_steps_than_the_warm_up_is_refused(tmp_path):
         train_model(tiny_gpt(), data, max_steps=4, batch_size=4, schedule=WarmupCosine(warmup_steps=5), device="cpu",
                     run_dir=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step-00000002")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_resume_that_moves_the_schedule_says_what_the_lr_does(tmp_path, caplog):
+    """A run resumed inside its WSD cool-down with more max_steps goes back to the full lr; the
+    resume said only "max_steps: 12 -> 24" (issue 43). It now says where the lr goes, by how much,
+    and that it leaves the cool-down; the rate the optimizer then uses is the one said."""
+    import logging
+    from looplib import train_model
+    from conftest import random_tokens, tiny_gpt
+    data = random_tokens(n=64)
+    wsd = WSD(warmup_steps=2, decay_fraction=0.5)
+    train_model(tiny_gpt(), data, max_steps=12, batch_size=4, schedule=wsd, device="cpu",
+                run_dir=tmp_path / "a", checkpoint_every=10, keep=10, sample_tokens=0, eval_every=0)
+    assert wsd.factor(10, 12) < 1.0 == wsd.factor(10, 24)  # step 10: in the cool-down of 12, stable in 24
+    with caplog.at_level(logging.WARNING, logger="looplib"):
+        result = train_model(tiny_gpt(), data, max_steps=24, batch_size=4, schedule=wsd, device="cpu",
+                             run_dir=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step-00000010",
+                             sample_tokens=0, eval_every=0)
+    said = [r.getMessage() for r in caplog.records if "recomputes" in r.getMessage()]
+    assert len(said) == 1 and "max_steps 12 -> 24" in said[0] and "at step 10 the lr rises from" in said[0]
+    assert f"{wsd.factor(10, 12):.4g} x lr to 1 x lr (back out of its cool-down)" in said[0]
+    assert result.state.step == 24
+    assert WarmupCosine(warmup_steps=2).moved(10, 12, 12) is None  # max_steps kept: nothing to say
