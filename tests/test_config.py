@@ -41,6 +41,11 @@ def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, 
         rows = "".join(f'{{"prompt": "p{i}", "chosen": " yes {i}", "rejected": " no"}}\n' for i in range(9))
         (tmp_path / "pairs.jsonl").write_text(rows)
         data = [f"data.path={tmp_path / 'pairs.jsonl'}", "data.eval_fraction=0"]
+    if (group, option) == ("data", "tokens"):  # nanoGPT's layout: uint16 ids, documents ended by 50256
+        import array
+        ids = array.array("H", ([i % 500 for i in range(300)] + [50256]) * 9)
+        (tmp_path / "train.bin").write_bytes(ids.tobytes())
+        data = [f"data.path={tmp_path / 'train.bin'}", "data.eval_fraction=0"]
     if group == "model" and option.startswith("hf"):  # a pretrained directory is what they load
         data += [f"model.path={request.getfixturevalue('tiny_pretrained')}", "model.seq_len=16"]
     cfg = compose_with(f"{prefix}{group}={option}", *data)

@@ -33,7 +33,12 @@ def write_corpus(root, n=12, seed=0):
 
 
 def files_of(root):
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file's bytes, but the digest index (``$LOOPLIB_CACHE/index/``, looplib.data.index) and
+    the empty files its OS lock is taken on (``locks/``): a cache of what each data file hashed to,
+    which a run that reads a changed file brings up to date whether it then trains or is refused;
+    the tokenizers and token caches must not move."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.relative_to(root).parts[0] not in ("index", "locks")}
 
 
 def losses(run_dir):

@@ -362,7 +362,7 @@ def test_chat_pairs_carry_loss_on_the_last_assistant_turn_only(tmp_path, tiny_pr
 
 def test_dpo_under_lora_from_the_command_line_starts_at_ln2(tmp_path):
     pytest.importorskip("peft")
-    r = run_cli("data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", "+peft=lora", *TINY,
+    r = run_cli("data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", "+peft=lora", "peft.allow_random_base=true", *TINY,
                 "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "adapters switched off" in r.stdout + r.stderr

@@ -200,7 +200,7 @@ SMALL = ["data=random", "data.n_train=32", "data.n_eval=8", "model.n_layer=1", "
          "sample_tokens=0", "checkpoint.every_steps=1", "progress=lines"]
 
 
-@pytest.mark.parametrize("extra", [[], ["checkpoint.async=true"], ["+peft=lora"]], ids=["sync", "async", "lora"])
+@pytest.mark.parametrize("extra", [[], ["checkpoint.async=true"], ["+peft=lora", "peft.allow_random_base=true"]], ids=["sync", "async", "lora"])
 def test_a_run_killed_between_its_last_checkpoint_and_its_export_gets_its_weights_on_resume(tmp_path, extra):
     """Issue 43: SIGKILL after the final checkpoint was complete and before model.safetensors (or
     adapter/) was written lost the weights for good: resume=auto said "nothing to do" and exited 0.
