@@ -267,15 +267,16 @@ def test_dpo_on_data_without_pairs_and_pairs_under_loss_lm_are_refused(tmp_path)
 def test_dpo_run_logs_rewards_and_resumes_bit_for_bit(tmp_path):
     data = write_pairs(tmp_path)
     job = ["data=preference", f"data.path={data}", "loss=dpo", *TINY, "eval_every=3", "checkpoint.every_steps=3"]
-    r = run_cli(*job, "max_steps=6", f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    one = {"OMP_NUM_THREADS": "1"}  # bit for bit on the CPU: one thread's order of sums (as tests/test_resume_cli.py)
+    r = run_cli(*job, "max_steps=6", f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path, env=one)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     first = next(x for x in rows if x.get("step") == 1 and "loss" in x)
     assert first["loss"] == LN2 and first["reward_margin"] == 0.0 and "pairs_per_s" in first
     assert any("eval_reward_accuracy" in x for x in rows)
     part = tmp_path / "part"
-    assert run_cli(*job, "max_steps=3", f"hydra.run.dir={part}", cwd=tmp_path).returncode == 0
-    r = run_cli(*job, "max_steps=6", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path)
+    assert run_cli(*job, "max_steps=3", f"hydra.run.dir={part}", cwd=tmp_path, env=one).returncode == 0
+    r = run_cli(*job, "max_steps=6", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path, env=one)
     assert r.returncode == 0, r.stderr
     assert (part / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
 

@@ -90,6 +90,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
     if hasattr(job.objective, "train_metrics"):  # e.g. DPO's rewards, summed over every rank (a collective)
+        job.objective.train_metrics()  # this rank's tally so far dropped (batch_size=auto's probes: not training)
         telemetry.objective_metrics = lambda: job.objective.train_metrics(reduce=engine.sum_across_ranks)
     telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
     dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
