@@ -26,12 +26,16 @@ POLL_S = 0.2   # a waiter tries the lock again this often (in Python: signals an
 
 
 @contextmanager
-def building(root: Path, name: str, what: str):
-    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first)."""
+def building(root: Path, name: str, what: str, on: Path | None = None):
+    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first);
+    ``on``: lock that existing file instead (opened read-only: nothing is created)."""
     fd = None
     try:
-        (root / "locks").mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / "locks" / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        if on is not None:
+            fd = os.open(on, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            (root / "locks").mkdir(parents=True, exist_ok=True)
+            fd = os.open(root / "locks" / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError:
         pass  # (no lock to be had: build unlocked, as before)
     try:
@@ -51,6 +55,8 @@ def wait(fd: int, what: str) -> None:
         return
     except BlockingIOError:
         pass
+    except OSError:
+        return  # (a file system without locks: unlocked)
     rank = os.environ.get("RANK")
     log.warning("%swaiting for another process that is building %s (it holds the lock; it is built once)",
                 f"rank {rank}: " if rank is not None else "", what)
