@@ -195,7 +195,7 @@ def test_a_cold_cache_is_built_once_under_torchrun(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     import re
-    assert len(re.findall(r"^\[default\d\]:training a 400-token byte-level BPE", out, re.M)) == 1, out
+    assert len(re.findall(r"^\[default\d\]:training a (400-token )?byte-level BPE", out, re.M)) == 1, out
     assert len(re.findall(r"^\[default\d\]:building the token cache", out, re.M)) == 1, out
     said = re.findall(r"rank (\d) tokens (\d+) crc (\d+) at (\S+)", out)
     assert sorted(s[0] for s in said) == ["0", "1"] and len({s[1:] for s in said}) == 1, out
