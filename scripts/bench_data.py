@@ -172,7 +172,7 @@ RSS_SCRIPT = textwrap.dedent("""
 def peak_rss(work: Path, gb: float, steps: int, workers: int) -> dict:
     import numpy as np
 
-    from looplib.data.cache import FORMAT
+    from looplib.data.cache import seal
 
     root = work / "big"
     root.mkdir()
@@ -184,8 +184,7 @@ def peak_rss(work: Path, gb: float, steps: int, workers: int) -> dict:
     tokens.flush()
     del tokens
     np.save(root / "offsets.npy", np.array([0, n], dtype=np.int64))
-    (root / "meta.json").write_text(json.dumps({"format": FORMAT, "dtype": "<u2", "tokens": n, "documents": 1,
-                                                 "target": False, "labels": None}))
+    seal(root, "<u2")  # meta.json with the checksums a cache carries (one without them is not opened)
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(root), str(steps), str(workers)], check=True,
                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -16,6 +16,7 @@ from .cache import Tokenised, build as build_cache, cache_key
 from .progress import progress
 from . import identity
 from .corpus import Corpus
+from .index import hash_file
 from .packing import PadCollate, TokenWindows
 from .readers import content_digest, document_bound, file_digests, is_records, records, resolve_files, text_field, text_pieces
 from .tokenizer import TokenizerInfo, load_tokenizer, train_tokenizer
@@ -47,25 +48,32 @@ class FileCorpus(Corpus):
         self.check_files(files, "data.path")
         self.check_files(eval_files, "data.eval_path")
         strict = lambda f: errors == "strict" and not is_records(f)  # noqa: E731 - (refused now, not after training)
-        digests, eval_digests = file_digests(files, "data.path", strict), file_digests(eval_files, "data.eval_path", strict)
-        train_part = identity.part(files, digests)
-        self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
-            "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)}}
-        identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
-        if tokenizer is None:  # before training one (a given tokenizer's own refusals come first: they cost nothing)
-            self.refuse_early(files, eval_files, eval_fraction, seed, path)
-        self.info = self.tokenizer_for(tokenizer, vocab_size, files, digests)
-        if tokenizer is not None:
-            self.refuse_early(files, eval_files, eval_fraction, seed, path)
-        self.tokenizer, self.tokenizer_source = self.info.tokenizer, self.info.source
-        self.eos_id, self.pad_id = self.info.eos_id, self.info.pad_id
-        self.vocab_size = max(vocab_size, self.info.vocab_size)
-        try:
-            self.made(files, digests, eval_files, eval_digests, eval_fraction, seed, path)
-        except ConfigError:  # refused: a tokenizer trained by this run for nothing does not stay in the cache
-            if self.info.trained_now is not None:
-                shutil.rmtree(self.info.trained_now, ignore_errors=True)
-            raise
+        hashed = list(dict.fromkeys(files + eval_files))  # (a file in both splits is read once)
+        at = {f: i for i, f in enumerate(hashed)}
+
+        def built(both):  # all of it before the digests' index is written: a refused run writes nothing
+            digests, eval_digests = [both[at[f]] for f in files], [both[at[f]] for f in eval_files]
+            train_part = identity.part(files, digests)
+            self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
+                "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)}}
+            identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
+            if tokenizer is None:  # before training one (a given tokenizer's own refusals come first: they cost nothing)
+                self.refuse_early(files, eval_files, eval_fraction, seed, path)
+            self.info = self.tokenizer_for(tokenizer, vocab_size, files, digests)
+            if tokenizer is not None:
+                self.refuse_early(files, eval_files, eval_fraction, seed, path)
+            self.tokenizer, self.tokenizer_source = self.info.tokenizer, self.info.source
+            self.eos_id, self.pad_id = self.info.eos_id, self.info.pad_id
+            self.vocab_size = max(vocab_size, self.info.vocab_size)
+            try:
+                self.made(files, digests, eval_files, eval_digests, eval_fraction, seed, path)
+            except ConfigError:  # refused: a tokenizer trained by this run for nothing does not stay in the cache
+                if self.info.trained_now is not None:
+                    shutil.rmtree(self.info.trained_now, ignore_errors=True)
+                raise
+
+        in_train = set(files)
+        file_digests(hashed, lambda f: "data.path" if f in in_train else "data.eval_path", strict, then=built)
         self.collate = PadCollate(self.pad_id) if self.padded else None
 
     def refuse_early(self, files, eval_files, eval_fraction, seed, path) -> None:
@@ -121,7 +129,8 @@ class FileCorpus(Corpus):
         files = [f for f in (path if path.is_file() else folder / "tokenizer.json", folder / "tokenizer_config.json",
                              folder / "chat_template.jinja") if f.is_file()]
         # the tokenisation itself (not the files' bytes): the vocabulary and merges, the specials, the chat template
-        self.identity["tokenizer"] = {**identity.part(files, file_digests(files)), "digest": identity.digest_over(
+        self.identity["tokenizer"] = {**identity.part(files, [hash_file(f, "data.tokenizer", False)[0] for f in files]),
+                                      "digest": identity.digest_over(
             info.digest, info.eos_id, info.pad_id, info.prefix, info.suffix, info.chat_template)}
         identity.check({"tokenizer": self.identity["tokenizer"]})  # before anything is tokenised with it
         if vocab_size != info.vocab_size:

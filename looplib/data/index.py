@@ -5,8 +5,9 @@ start would cost a warm start as much as a cold one with many files, so ``file_d
 an index under ``$LOOPLIB_CACHE/index/`` (one per list of files): each file's size, mtime,
 ctime and inode when it was hashed, with its digest (and whether it is UTF-8, for plain text
 read strictly). A file whose four values are unchanged is not read again; any other is hashed
-again and the index rewritten. The index is built under the lock of ``lock.py``: the ranks of a
-launch hash once, and the others read the index.
+again. ``file_digests`` holds a lock (``lock.py``) on the list's first file while its caller builds the data
+(``then``) and writes the index only after that succeeds, so a refused run writes nothing, and
+the other ranks of a launch wait, then find every file in the index and read none again.
 
 What the index cannot see: a change that keeps a file's size, mtime, ctime and inode. Setting
 the mtime back (``touch -d``, ``os.utime``) changes the ctime, which no user call can set, so
@@ -30,25 +31,25 @@ RACY_NS = 2_000_000_000   # an entry is trusted only when its file had not chang
 BLOCK = 1 << 20
 
 
-def file_digests(files: list[Path], key: str = "data.path", utf8=None, root: Path | None = None) -> list[str]:
+def file_digests(files: list[Path], key="data.path", utf8=None, root: Path | None = None, then=None) -> list[str]:
     """The sha256 of each file's bytes (hex). ``utf8(f)``: whether ``f`` must be UTF-8 (refused
-    otherwise, before any other work). A file that cannot be read is refused, naming ``key``."""
+    otherwise, before any other work). A file that cannot be read is refused, naming ``key``
+    (or ``key(f)``). ``then(digests)``: checks that may refuse them (a resume's identity) before
+    the index is written: a refused run writes nothing."""
     from .tokenizer import cache_root
 
-    utf8 = utf8 or (lambda f: False)
+    utf8, then = utf8 or (lambda f: False), then or (lambda digests: None)
+    key_of = key if callable(key) else (lambda f: key)
     if not files:
+        then([])
         return []
     folder = (root or cache_root()) / "index"
     name = hashlib.sha256("\n".join(map(str, files)).encode()).hexdigest()[:20]
-    try:
-        with building(folder.parent, f"index-{name}", f"the index of {len(files)} data files"):
-            return indexed(files, key, utf8, folder / f"{name}.json")
-    except OSError as err:
-        raise ConfigError(key, f"cannot read {err.filename or 'a file'} ({err.strerror or err})",
-                          f"make it readable, or leave it out of {key}") from None
+    with building(folder.parent, "", f"the data of {len(files)} files", on=files[0]):  # (its first file's lock)
+        return indexed(files, key_of, utf8, folder / f"{name}.json", then)
 
 
-def indexed(files: list[Path], key: str, utf8, path: Path) -> list[str]:
+def indexed(files: list[Path], key_of, utf8, path: Path, then) -> list[str]:
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -58,14 +59,15 @@ def indexed(files: list[Path], key: str, utf8, path: Path) -> list[str]:
         try:
             st = os.stat(f)
         except OSError as err:
-            raise ConfigError(key, f"{f} cannot be read ({err.strerror})", f"leave it out of {key}") from None
+            raise ConfigError(key_of(f), f"{f} cannot be read ({err.strerror})", f"leave it out of {key_of(f)}") from None
         stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         entry = index.get(str(f))
         need = utf8(f)
         if entry is None or entry[:4] != stat or entry[4] - stat[2] < RACY_NS or (need and not entry[6]):
-            entry = stat + [time.time_ns(), *hash_file(f, key, need)]
+            entry = stat + [time.time_ns(), *hash_file(f, key_of(f), need)]
             index[str(f)], changed = entry, True
         out.append(entry[5])
+    then(out)
     if changed:
         try:  # (a read-only cache: hashed again at every start)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,28 +81,31 @@ def indexed(files: list[Path], key: str, utf8, path: Path) -> list[str]:
 
 def hash_file(path: Path, key: str, utf8: bool) -> tuple[str, bool]:
     """The file's sha256 and whether it is UTF-8 (checked when ``utf8``: refused if not)."""
+    try:
+        with open(path, "rb") as fh:
+            return hashed(fh, path, utf8)
+    except OSError as err:
+        raise ConfigError(key, f"{path} cannot be read ({err.strerror or err})",
+                          f"make it readable, or leave it out of {key}") from None
+
+
+def hashed(fh, path: Path, utf8: bool) -> tuple[str, bool]:
     h, offset = hashlib.sha256(), 0
     decoder = codecs.getincrementaldecoder("utf-8")() if utf8 else None
-    try:
-        fh = open(path, "rb")
-    except OSError as err:
-        raise ConfigError(key, f"{path} cannot be read ({err.strerror})",
-                          f"make it readable, or leave it out of {key}") from None
-    with fh:
-        while block := fh.read(BLOCK):
-            h.update(block)
-            if decoder is not None:
-                pending = len(decoder.getstate()[0])
-                try:
-                    decoder.decode(block)
-                except UnicodeDecodeError as err:
-                    raise not_utf8(path, offset - pending + err.start, err.object[err.start:err.start + 4]) from None
-            offset += len(block)
+    while block := fh.read(BLOCK):
+        h.update(block)
         if decoder is not None:
+            pending = len(decoder.getstate()[0])
             try:
-                decoder.decode(b"", final=True)
+                decoder.decode(block)
             except UnicodeDecodeError as err:
-                raise not_utf8(path, offset - len(err.object) + err.start, err.object[err.start:]) from None
+                raise not_utf8(path, offset - pending + err.start, err.object[err.start:err.start + 4]) from None
+        offset += len(block)
+    if decoder is not None:
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as err:
+            raise not_utf8(path, offset - len(err.object) + err.start, err.object[err.start:]) from None
     return h.hexdigest(), utf8
 
 

@@ -6,10 +6,12 @@ for the entry's lock. The first to get it builds; the others wait, with one line
 then open what it built. The kernel releases the lock when its holder exits in any way (a crash,
 SIGKILL), so a builder that died blocks nobody: the next one to get the lock finds no entry and
 builds it. A waiting rank stops when another rank of its launch refused (``looplib.engines.board``),
-as it would anywhere else. A cache where no lock file can be made (read-only) is used unlocked.
+as it would anywhere else: a rank that refuses while it builds keeps the lock until it exits, so
+the ranks waiting for it read its refusal rather than build the same entry to refuse it again.
+A cache where no lock file can be made (read-only) is used unlocked.
 
 The lock files stay (empty; removing one while another process waits on it would let two
-builders in).
+builders in). The digests of a list of files (``index.py``) are locked on its first file itself.
 """
 from __future__ import annotations
 
@@ -20,27 +22,42 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import RunEnded
+
 log = logging.getLogger("looplib")
 
 POLL_S = 0.2   # a waiter tries the lock again this often (in Python: signals and refusals are heard)
 
 
 @contextmanager
-def building(root: Path, name: str, what: str):
-    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first)."""
-    fd = None
+def building(root: Path, name: str, what: str, on: Path | None = None):
+    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first);
+    ``on``: lock that existing file instead (opened read-only: nothing is created)."""
+    fd, path = None, on if on is not None else root / "locks" / name
+    if path in _KEPT:  # this process refused while building it (a sweep's next job): let go of it
+        os.close(_KEPT.pop(path))
     try:
-        (root / "locks").mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / "locks" / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        if on is not None:
+            fd = os.open(on, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            (root / "locks").mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError:
         pass  # (no lock to be had: build unlocked, as before)
     try:
         if fd is not None:
             wait(fd, what)
         yield
+    except RunEnded:
+        if fd is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _KEPT[path], fd = fd, None  # held until this rank exits: the waiting ranks read its refusal first
+        raise
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+
+
+_KEPT: dict[Path, int] = {}   # locks kept by a rank that refused while building (released when it exits)
 
 
 def wait(fd: int, what: str) -> None:
@@ -51,6 +68,8 @@ def wait(fd: int, what: str) -> None:
         return
     except BlockingIOError:
         pass
+    except OSError:
+        return  # (a file system without locks: unlocked)
     rank = os.environ.get("RANK")
     log.warning("%swaiting for another process that is building %s (it holds the lock; it is built once)",
                 f"rank {rank}: " if rank is not None else "", what)

@@ -77,13 +77,23 @@ class TokenCorpus(Corpus):
         for key, fs in (("data.path", files), ("data.eval_path", eval_files)):
             if fs and not any(n for *_, n in layouts[key]):
                 raise ConfigError(key, f"{describe_files(fs)} holds no token ids", "give files with ids in them")
-        digests, eval_digests = file_digests(files, "data.path"), file_digests(eval_files, "data.eval_path")
-        train_part = identity.part(files, digests)
         settings = {"vocab_size": vocab_size, "eos_id": eos_id, "dtype": dtype, "block": block_tokens}
-        self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
-            "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)},
-            "tokenizer": {"digest": identity.digest_over("tokens", settings)}}
-        identity.check(self.identity)  # a resume whose files changed: refused before anything is copied
+        hashed, in_train = list(dict.fromkeys(files + eval_files)), set(files)
+        at = {f: i for i, f in enumerate(hashed)}
+
+        def built(both):  # all of it before the digests' index is written: a refused run writes nothing
+            digests, eval_digests = [both[at[f]] for f in files], [both[at[f]] for f in eval_files]
+            train_part = identity.part(files, digests)
+            self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
+                "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)},
+                "tokenizer": {"digest": identity.digest_over("tokens", settings)}}
+            identity.check(self.identity)  # a resume whose files changed: refused before anything is copied
+            self.split(files, digests, eval_files, eval_digests, layouts, settings, eval_fraction, seed, path)
+
+        file_digests(hashed, lambda f: "data.path" if f in in_train else "data.eval_path", then=built)
+
+    def split(self, files, digests, eval_files, eval_digests, layouts, settings, eval_fraction, seed, path) -> None:
+        seq_len = self.seq_len
         data = self.copy(files, digests, layouts["data.path"], "data.path", settings)
         if eval_files:
             held = self.copy(eval_files, eval_digests, layouts["data.eval_path"], "data.eval_path", settings)
