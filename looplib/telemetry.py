@@ -151,7 +151,8 @@ class Telemetry:
             consoles = [lg for lg in (logging.getLogger(), log) if any(
                 isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in lg.handlers)]
             self._redirect.enter_context(logging_redirect_tqdm(consoles))
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            from .data.progress import bar_size  # (a pseudo-terminal of size 0 x 0 hid the bar)
+            self.bar = tqdm(total=total_steps, unit="step", **bar_size())
         self.optimizer_steps = 0      # real optimizer updates (a skipped fp16 step is not one)
         self.boundaries = 0           # accumulation windows closed
         self._loss, self._watched, self._seen = None, None, 0

@@ -97,3 +97,19 @@ def test_log_lines_print_above_the_bar_not_through_it(monkeypatch):
         logging.getLogger().removeHandler(console)
     out = screen.getvalue()
     assert "\ra line while the bar is shown\n" in out and "]a line" not in out, repr(out)
+
+
+def test_the_training_bar_shows_on_a_terminal_that_reports_no_size(tmp_path, monkeypatch):
+    """A pseudo-terminal of size 0 x 0 (under `script`, many CI runners) made tqdm hide the training
+    bar (0 rows); it now gets 100 x 24, as the data's bars do (looplib.data.progress.bar_size)."""
+    import os
+    from looplib.data.progress import bar_size
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((0, 0)))
+    assert bar_size() == {"dynamic_ncols": False, "ncols": 100, "nrows": 24}
+    telemetry = Telemetry(tmp_path / "m.jsonl", total_steps=3, progress="bar")
+    try:
+        assert telemetry.bar is not None and telemetry.bar.ncols == 100 and telemetry.bar.nrows == 24
+    finally:
+        telemetry.bar.close()
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((120, 40)))
+    assert bar_size() == {"dynamic_ncols": True, "ncols": None, "nrows": None}

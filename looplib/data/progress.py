@@ -19,13 +19,18 @@ def progress(total_bytes: int, what: str):
 
     if total_bytes >= PROGRESS_BYTES and not sys.stderr.isatty():
         return Lines(total_bytes, what)
-    try:  # a terminal that reports no size (a pseudo-terminal never sized): tqdm would hide its bar (0 rows)
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, disable=total_bytes < PROGRESS_BYTES,
+                leave=False, file=sys.stderr, **bar_size())
+
+
+def bar_size() -> dict:
+    """tqdm's size arguments for stderr: a terminal that reports no size (a pseudo-terminal never
+    sized, 0 x 0) would make tqdm hide its bar (0 rows), so such a one gets 100 x 24."""
+    try:
         sized = min(os.get_terminal_size(sys.stderr.fileno())) > 0
     except (OSError, ValueError):
         sized = False
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, disable=total_bytes < PROGRESS_BYTES,
-                leave=False, file=sys.stderr, dynamic_ncols=sized, ncols=None if sized else 100,
-                nrows=None if sized else 24)
+    return dict(dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24)
 
 
 
