@@ -450,3 +450,20 @@ def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_checkpoint_stays(t
     assert ending(later.value, Signals(), None, done).endswith(
         "; the last complete checkpoint stays (resume=auto continues from it)")
     assert ending(disk, Signals(), None, done).endswith("(resume=auto continues from the last complete checkpoint)")
+
+
+def test_a_rank_stopped_with_the_others_before_its_own_watch_looked_still_exits_75():
+    """The ranks agree on a stop at a step boundary: a rank whose watch had not yet seen its launcher
+    gone (the other rank's had) looks once more as it stops, and ends preempted (75), not finished
+    (0: one of two workers of a killed torchrun once did)."""
+    from looplib.run.signals import LauncherWatch
+    signals = Signals()
+    signals.watch = LauncherWatch(os.getppid() + 100_000, every=3600)  # not this process's parent: gone
+    assert signals.signum is None and not signals.watch.gone
+    signals.finish()
+    assert signals.signum == signal.SIGTERM and signals.status == EXIT_PREEMPTED
+    assert signals.name == f"SIGTERM: its launcher, pid {os.getppid() + 100_000}, is gone"
+    here = Signals()
+    here.watch = LauncherWatch(os.getppid(), every=3600)  # its launcher lives: a finished run stays finished
+    here.finish()
+    assert here.signum is None and not here.watch.gone

@@ -184,6 +184,7 @@ def held_out(job: Job) -> list:
 def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Path | None, saved: bool,
                 main: bool) -> None:
     """The run stopped early on a signal, after saving: say how to continue (rank 0 only)."""
+    signals.launcher_lost()  # stopped with the other ranks before this one saw its launcher gone
     if not main:
         return
     if signals.signum is None and signals.reason:  # the run's own stop (a sweep's pruner): nothing to continue
