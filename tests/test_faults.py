@@ -324,8 +324,8 @@ def test_a_full_disk_is_named_with_the_io_status_in_the_token_cache_and_in_a_che
         raise OSError(errno.ENOSPC, "No space left on device", str(self.root / "tokens.bin"))
     monkeypatch.setattr(cache.Writer, "add", full)
     with pytest.raises(SystemExit) as stop:
-        cli.run(main, ["data=text", f"data.path={tmp_path / 'text.txt'}", "data.vocab_size=300", "max_steps=1",
-                       f"hydra.run.dir={tmp_path / 'run'}"])
+        cli.run(main, ["data=text", f"data.path={tmp_path / 'text.txt'}", "data.eval_fraction=0",  # one document
+                       "data.vocab_size=300", "max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("looplib:")]
     assert stop.value.code == EXIT_IO and len(said) == 1, err
