@@ -324,8 +324,8 @@ def test_a_full_disk_is_named_with_the_io_status_in_the_token_cache_and_in_a_che
         raise OSError(errno.ENOSPC, "No space left on device", str(self.root / "tokens.bin"))
     monkeypatch.setattr(cache.Writer, "add", full)
     with pytest.raises(SystemExit) as stop:
-        cli.run(main, ["data=text", f"data.path={tmp_path / 'text.txt'}", "data.vocab_size=300", "max_steps=1",
-                       f"hydra.run.dir={tmp_path / 'run'}"])
+        cli.run(main, ["data=text", f"data.path={tmp_path / 'text.txt'}", "data.eval_fraction=0",  # one document
+                       "data.vocab_size=300", "max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("looplib:")]
     assert stop.value.code == EXIT_IO and len(said) == 1, err
@@ -450,3 +450,20 @@ def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_checkpoint_stays(t
     assert ending(later.value, Signals(), None, done).endswith(
         "; the last complete checkpoint stays (resume=auto continues from it)")
     assert ending(disk, Signals(), None, done).endswith("(resume=auto continues from the last complete checkpoint)")
+
+
+def test_a_rank_stopped_with_the_others_before_its_own_watch_looked_still_exits_75():
+    """The ranks agree on a stop at a step boundary: a rank whose watch had not yet seen its launcher
+    gone (the other rank's had) looks once more as it stops, and ends preempted (75), not finished
+    (0: one of two workers of a killed torchrun once did)."""
+    from looplib.run.signals import LauncherWatch
+    signals = Signals()
+    signals.watch = LauncherWatch(os.getppid() + 100_000, every=3600)  # not this process's parent: gone
+    assert signals.signum is None and not signals.watch.gone
+    signals.finish()
+    assert signals.signum == signal.SIGTERM and signals.status == EXIT_PREEMPTED
+    assert signals.name == f"SIGTERM: its launcher, pid {os.getppid() + 100_000}, is gone"
+    here = Signals()
+    here.watch = LauncherWatch(os.getppid(), every=3600)  # its launcher lives: a finished run stays finished
+    here.finish()
+    assert here.signum is None and not here.watch.gone

@@ -25,6 +25,7 @@ from ..loggers import Loggers
 from ..peft import FullModel
 from ..run import rundir
 from ..run.assembly import Job, Parts, Record
+from ..run.checkpoint_dir import seed_host_rngs
 from ..run.init_from import init_from
 from ..run.lifecycle import assemble, execute
 from ..run.lock import DirectoryHeld
@@ -46,6 +47,7 @@ def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
 
     def later() -> dict:
         torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
+        seed_host_rngs(settings.seed)  # Python's and NumPy's too (a data or model strategy may draw from them)
         data = instantiate(cfg, "data")
         with (built.get("peft") or FullModel()).loading():  # QLoRA: a transformers model loads in 4 bits
             model = instantiate(cfg, "model")

@@ -37,6 +37,15 @@ log = logging.getLogger("looplib")
 FORMAT = 1
 
 
+def seed_host_rngs(seed: int) -> None:
+    """Python's ``random`` and NumPy's global generator seeded from the run's ``seed`` (torch's is
+    seeded where the model is built): a strategy of one's own may draw from them, and a checkpoint
+    saves their state, so two runs of one config write the same ``state.pt``."""
+    random.seed(seed)
+    if "numpy" in sys.modules:  # (torch imports it where it is installed)
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -148,8 +148,15 @@ class Signals:
         self.finished = True
         if self.watch is not None:
             self.watch.stop()
+        self.launcher_lost()
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+
+    def launcher_lost(self) -> None:
+        """A stop the ranks agreed at a step boundary before this rank's watch looked: where its
+        launcher is gone too, this rank stops as the others do (SIGTERM, exit 75), not as finished."""
+        if self.signum is None and self.watch is not None and os.getppid() != self.watch.pid:
+            self.watch.gone, self.signum = True, signal.SIGTERM
 
     def stop(self, reason: str) -> None:
         """Stop at the next step boundary, after saving, as on SIGTERM, for a reason of the run's

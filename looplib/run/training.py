@@ -22,7 +22,7 @@ from ..loop import fit
 from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
 from .assembly import Job, Record, Trained, parameter_counts, refused
-from .checkpoint_dir import config_text
+from .checkpoint_dir import config_text, seed_host_rngs
 from .plots import end_of_run_plot
 from .elastic import current
 from .resume import Resumed, resume
@@ -40,6 +40,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     exported weights unless ``export`` is False); ``run_dir=None`` writes nothing but ``metrics``.
     ``resumed``: the checkpoint to continue from, found before the job was built (``resume.plan``)."""
     s, engine, signals = job.settings, job.engine, signals or Signals()
+    seed_host_rngs(s.seed)  # before anything draws from them (a resume then restores the saved states)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_dir / "metrics.jsonl"
@@ -183,6 +184,7 @@ def held_out(job: Job) -> list:
 def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Path | None, saved: bool,
                 main: bool) -> None:
     """The run stopped early on a signal, after saving: say how to continue (rank 0 only)."""
+    signals.launcher_lost()  # stopped with the other ranks before this one saw its launcher gone
     if not main:
         return
     if signals.signum is None and signals.reason:  # the run's own stop (a sweep's pruner): nothing to continue
