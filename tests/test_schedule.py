@@ -79,3 +79,15 @@ def test_a_resume_to_fewer_steps_than_the_warm_up_is_refused(tmp_path):
         train_model(tiny_gpt(), data, max_steps=4, batch_size=4, schedule=WarmupCosine(warmup_steps=5), device="cpu",
                     run_dir=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step-00000002")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_grid_sweep_with_one_job_spent_in_warm_up_is_refused_before_any_job_runs(tmp_path):
+    from conftest import run_cli
+    r = run_cli("-m", "max_steps=30,10", "+schedule=cosine", "data=random", "model.n_layer=1", "model.d_model=32",
+                "model.n_head=2", "model.seq_len=16", "batch_size=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("looplib: error: schedule.warmup_steps: the warm-up (25 steps)")
+    assert "(in job 1 of the 2: max_steps=10" in line and line.endswith("no job of the sweep has run")
+    assert not (tmp_path / "sweep").exists()
