@@ -98,7 +98,7 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
     code = text.split("```python", 1)[1].split("```", 1)[0]
     assert "train_model(" in code
     code = code.replace("max_steps=1000", "max_steps=2").replace('device="auto"', 'device="cpu"')
-    code = code.replace("warmup_steps=100", "warmup_steps=1")  # (a warm-up as long as 2 steps is refused)
+    code = code.replace("warmup_steps=100", "warmup_steps=1")  # a warm-up as long as the run is refused
     monkeypatch.chdir(tmp_path)
     namespace = {"MyModel": tiny_gpt, "my_dataset": random_tokens(n=16), "my_held_out": random_tokens(n=8, seed=1)}
     exec(compile(code, "docs/python-api.md", "exec"), namespace)

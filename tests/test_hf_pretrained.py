@@ -101,7 +101,7 @@ def test_lora_on_a_model_built_from_a_config_saves_the_base_it_points_at(tmp_pat
     torch.manual_seed(0)
     model = CausalLM(seq_len=SEQ, model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ)
-    lora = LoRA(r=2)  # no target_modules: peft's defaults for llama
+    lora = LoRA(r=2, allow_random_base=True)  # no target_modules: peft's defaults for llama; a random base, knowingly
     result = train_model(model, RandomTokens(8, SEQ, 64), max_steps=2, batch_size=4, peft=lora,
                          optim=AdamW(lr=2e-2), device="cpu")
     lora.save(result.model, tmp_path)

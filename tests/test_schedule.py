@@ -102,3 +102,15 @@ def test_a_resume_that_moves_the_schedule_says_what_the_lr_does(tmp_path, caplog
     assert f"{wsd.factor(10, 12):.4g} x lr to 1 x lr (back out of its cool-down)" in said[0]
     assert result.state.step == 24
     assert WarmupCosine(warmup_steps=2).moved(10, 12, 12) is None  # max_steps kept: nothing to say
+
+
+def test_a_grid_sweep_with_one_job_spent_in_warm_up_is_refused_before_any_job_runs(tmp_path):
+    from conftest import run_cli
+    r = run_cli("-m", "max_steps=30,10", "+schedule=cosine", "data=random", "model.n_layer=1", "model.d_model=32",
+                "model.n_head=2", "model.seq_len=16", "batch_size=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("looplib: error: schedule.warmup_steps: the warm-up (25 steps)")
+    assert "(in job 1 of the 2: max_steps=10" in line and line.endswith("no job of the sweep has run")
+    assert not (tmp_path / "sweep").exists()

@@ -90,9 +90,6 @@ def used(cfg: DictConfig) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     raw = OmegaConf.to_container(cfg, resolve=False)
     text = str({k: v for k, v in raw.items() if k not in NOT_ARGUMENTS})  # every other value, nested ones too
-    model = config.get("model")
-    if isinstance(model, dict) and model.get("init_from", "") is None:
-        del model["init_from"]  # not asked for: the model's node stays its class's arguments (hydra.utils.instantiate)
     return {k: v for k, v in config.items() if k not in NOT_ARGUMENTS or re.search(r"\$\{[^}]*\b%s\b" % k, text)}
 
 

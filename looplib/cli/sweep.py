@@ -200,10 +200,12 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
         try:
             with open_dict(cfg):
                 del cfg["hydra"]
-            check_config(cfg)
+            settings = check_config(cfg)
             for row in strategies():  # built, not set up: no device is touched
                 if cfg.get(row.name) is not None:
-                    instantiate(cfg, row.name)
+                    built = instantiate(cfg, row.name)
+                    if row.name == "schedule" and hasattr(built, "check"):
+                        built.check(settings.max_steps)  # a warm-up as long as this job's max_steps
         except ConfigError as err:
             raise ConfigError(err.key, f"{err.problem} (in job {n} of the {len(jobs)}: {' '.join(job)})",
                               f"{err.fix}; no job of the sweep has run") from None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..models.gpt import GPT
+from ..models.gpt import GPT, weights_loaded
 from ..schema import Positive
 from .config import (check_keys, check_model_dir, check_positions, config_class_for, config_keys, import_transformers,
                      load_config, load_weights, model_positions, window)
@@ -46,6 +46,7 @@ class HFModel(nn.Module):
             self.hf = load_weights(auto, self.path, hf_config, attn_implementation)
         else:
             self.hf = auto.from_config(hf_config, attn_implementation=attn_implementation)
+        weights_loaded(self)  # trained when read from model.path, or once weights are loaded (looplib.peft.untrained)
         if gradient_checkpointing:  # transformers >= 5 renamed it activation checkpointing
             if hasattr(self.hf, "activation_checkpointing_enable"):
                 self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
