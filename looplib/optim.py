@@ -203,9 +203,3 @@ def built_class(factory: "OptimizerFactory") -> type:
         return factory.builds
     with torch.random.fork_rng(devices=[]):
         return type(factory.build(torch.nn.Linear(1, 1)))
-
-
-def __getattr__(name: str):
-    """The schedules' old import path (``looplib.optim.WarmupCosine``): found in ``looplib.schedule``, with a warning."""
-    from .moved import attribute
-    return attribute(__name__, name)

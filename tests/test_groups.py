@@ -3,7 +3,6 @@ tune and docs/extending.md derive from the table, and a group added to it works 
 import inspect
 import json
 import textwrap
-import warnings
 
 import pytest
 
@@ -39,18 +38,6 @@ def test_tune_searches_the_groups_the_table_marks():
     from looplib.tune.settings import DIMENSIONS, NUMERICS
     assert set(DIMENSIONS) - {"batch", "optim_impl"} == set(groups.tuned())
     assert set(NUMERICS) == set(groups.tuned("numerics"))
-
-
-def test_an_old_target_path_works_and_says_where_the_class_lives_now():
-    from hydra.utils import instantiate
-    with pytest.warns(FutureWarning, match=r"looplib\.adapters\.FullModel has moved to looplib\.peft\.FullModel"):
-        obj = instantiate({"_target_": "looplib.adapters.FullModel"})
-    assert type(obj).__module__ == "looplib.peft"
-    with pytest.warns(FutureWarning, match=r"looplib\.rundir_guard\.RunDirGuard has moved to looplib\.cli\.guard"):
-        from looplib.rundir_guard import RunDirGuard  # noqa: F401
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new paths: not a word
-        from looplib.cli.guard import RunDirGuard as New  # noqa: F401
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ def test_a_misspelt_model_key_through_the_cli_exits_2_with_one_line(tiny_pretrai
 
 
 def test_generate_samples_a_bundled_model_run(tmp_path, capsys):
-    from looplib.generate import main
+    from looplib.cli.generate import main
     (tmp_path / "config.yaml").write_text(
         "model: {_target_: looplib.models.GPT, vocab_size: 64, seq_len: 16, n_layer: 2, n_head: 2, d_model: 32}\n"
         "data: {_target_: looplib.data.RandomCorpus, seq_len: 16, vocab_size: 64}\n")
@@ -214,7 +214,7 @@ def test_block_checkpointing_finds_transformers_layers_by_type_and_keeps_gradien
 
 
 def test_the_planner_plans_a_pretrained_directory_without_loading_it(tiny_pretrained, capsys):
-    from looplib.plan import main
+    from looplib.cli.plan import main
     assert main([f"model=hf", f"model.path={tiny_pretrained}", f"model.seq_len={SEQ}", "data=random",
                  "+checkpointing=blocks", "--memory-gib", "1"]) == 0
     out = capsys.readouterr().out

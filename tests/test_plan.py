@@ -8,8 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from looplib import optim as lo
 from looplib.models import GPT, BertClassifier
 from looplib.loss import SequenceCrossEntropy, TokenCrossEntropy
-from looplib.plan import (Checkpointing, activation_estimates, autocast_copy_bytes, build_plan, default_checkpointing,
-                          gradient_bytes, optimizer_state_bytes_of, recommendations, weight_bytes, zero_per_rank)
+from looplib.cli.plan import build_plan
+from looplib.plan import (Checkpointing, activation_estimates, autocast_copy_bytes, default_checkpointing, gradient_bytes,
+                          optimizer_state_bytes_of, recommendations, weight_bytes, zero_per_rank)
 from looplib.precision import BF16, FP16, Precision
 
 from conftest import has_bitsandbytes, run_cli

@@ -1,4 +1,4 @@
-"""hydra/sweeper=optuna (looplib's own sweeper plugin) and the objective every job returns (looplib.sweep):
+"""hydra/sweeper=optuna (looplib's own sweeper plugin) and the objective every job returns (looplib.cli.sweep):
 a TPE study, continued and crashed, pruning, a parallel launcher, bad input, and Hydra's released sweepers."""
 import json
 import math

@@ -16,7 +16,7 @@ from looplib.run.assembly import refused as refused_while_building
 from looplib.run.settings import Settings
 from looplib.data import Epochs, build_loader
 from looplib.errors import ConfigError
-from looplib.plan import main as plan_main
+from looplib.cli.plan import main as plan_main
 from looplib.schema import parameters
 
 from conftest import REPO, random_tokens, run_cli, tiny_gpt

@@ -48,9 +48,3 @@ __all__ = ["BNB_BLOCK", "BNB_QMAP", "MATMUL_MODULES", "STRATEGIES", "USABLE", "A
            "measure_saved", "meta_batch", "nbytes", "plan_job", "optimizer_state_bytes", "optimizer_state_bytes_of",
            "recommendations", "render", "row", "state_rule", "state_tensor_bytes", "unique_params", "weight_bytes",
            "zero_per_rank"]
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)
