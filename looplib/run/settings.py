@@ -1,6 +1,6 @@
 """The job's top-level settings, typed: the command line's keys (conf/config.yaml) and
 ``train_model``'s keyword arguments are the same fields, with the same defaults (this module is
-their one source: tests/test_config.py holds conf/config.yaml and ``train_model``'s signature
+their one source: tests/cli/test_config.py holds conf/config.yaml and ``train_model``'s signature
 equal to it), checked by the same rules (``looplib.schema``: constructor annotations are the
 schema). Imports neither Hydra nor OmegaConf.
 """

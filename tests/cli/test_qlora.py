@@ -106,7 +106,7 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     assert (plan.weights, plan.gradients, plan.optim_state) == (real["weights"], real["gradients"],
                                                                state_bytes(result.optimizer))
     # DeepSpeed, which refuses the 4-bit base, gets no table; FSDP2's per-rank rows for it are shown
-    # (tests/test_qlora_fsdp.py checks them against two ranks' bytes, and what the planner advises)
+    # (tests/dist/test_qlora_fsdp.py checks them against two ranks' bytes, and what the planner advises)
     from looplib.plan.render import render
     text = render(plan)
     assert plan.four_bit and "ZeRO model state per rank" not in text and "DeepSpeed ZeRO: refused with +peft=qlora" in text

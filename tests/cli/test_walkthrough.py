@@ -5,7 +5,7 @@ pretrained model, continue pretraining on a text folder, LoRA on instruct JSONL,
 adapter with peft and generate, looplib.generate, CSV classification and its reload in
 transformers. Only ``max_steps`` is lowered (to keep CI short); a docs edit that breaks a
 command breaks this test. The logits of each reloaded result against looplib's own model are
-compared in tests/test_hf_pretrained.py.
+compared in tests/unit/test_hf_pretrained.py.
 """
 import os
 import re

@@ -4,8 +4,8 @@ through its universal checkpoint; a node lost under torchrun's elastic mode does
 run; ``train_model`` under torchrun resumes as the command line does; a global batch the
 processes cannot split is refused naming the counts that can.
 
-(DDP on 1, 2 and 4 processes and DDP -> FSDP: tests/test_engines_ddp.py; FSDP on one process
-and FSDP -> DDP: tests/test_engines_fsdp.py.)"""
+(DDP on 1, 2 and 4 processes and DDP -> FSDP: tests/dist/test_engines_ddp.py; FSDP on one process
+and FSDP -> DDP: tests/dist/test_engines_fsdp.py.)"""
 import hashlib
 import json
 import os

@@ -24,7 +24,7 @@ from looplib.precision import FP32
 from looplib.run.checkpoint_dir import is_valid
 from test_engines_ddp import QUICK, WEIGHT_ATOL, rows, torchrun
 
-# As for DDP (tests/test_engines_ddp.py): two ranks sum their halves of each window in another
+# As for DDP (tests/dist/test_engines_ddp.py): two ranks sum their halves of each window in another
 # order than one process, and FSDP reduce-scatters in fp32: losses agree to float rounding,
 # weights after 4 AdamW steps of lr 1e-2 to 1e-4 (1% of one step; Adam's 1/sqrt(v) magnifies
 # rounding where a gradient is near zero).

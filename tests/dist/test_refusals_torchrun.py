@@ -13,7 +13,7 @@ import pytest
 from conftest import has_bitsandbytes
 from looplib.engines.launch import free_port
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: refusing.py
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
        "eval_samples=4", "sample_tokens=0", "batch_size=4", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
        "model.seq_len=16", "progress=lines"]

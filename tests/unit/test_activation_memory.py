@@ -5,7 +5,7 @@ The exact count: every storage made during a real forward that is still alive wh
 autograd, checkpointing's recomputation and selective checkpointing's cache hold for backward;
 each storage once, parameters left out; weak references, so counting keeps
 nothing alive), on the device or, for offload, in host memory (the strategy's own copies). For
-no checkpointing it equals the saved_tensors_hooks tally of tests/test_plan.py (checked here)."""
+no checkpointing it equals the saved_tensors_hooks tally of tests/cli/test_plan.py (checked here)."""
 import gc
 import weakref
 

@@ -3,7 +3,7 @@ thread while training goes on (looplib.run.background). What is written equals a
 checkpoint of the same moment byte for byte, whatever the steps after it do; one write at a time;
 rotation keeps the last complete checkpoint while the next is in flight; a failed write is a
 SaveError (74) at the next step boundary. (Resume after SIGTERM and after SIGKILL mid-write:
-tests/test_resume_cli.py; two processes: tests/test_engines_ddp.py, tests/test_engines_fsdp.py.)"""
+tests/cli/test_resume_cli.py; two processes: tests/dist/test_engines_ddp.py, tests/dist/test_engines_fsdp.py.)"""
 import errno
 import threading
 from pathlib import Path

@@ -1,7 +1,7 @@
 """A run's identity and the held-out loss as a property of the weights: a resume on changed data
 or a changed tokenizer is refused in one line and writes nothing; a trained tokenizer is never
 trained again under a checkpoint; a corrupt token cache is rebuilt, not trained on; the same
-weights give the same eval_loss for any batch size (2 processes: tests/test_engines_ddp.py)."""
+weights give the same eval_loss for any batch size (2 processes: tests/dist/test_engines_ddp.py)."""
 import json
 import random
 

@@ -9,7 +9,7 @@ import pytest
 
 from looplib.errors import ConfigError, need
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "looplib"
 
 
