@@ -164,7 +164,7 @@ data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused
     memory_qlora_fsdp) part memory_qlora_fsdp 420 $py scripts/bench_fit.py --rows qlora8b,qlora8b_fsdp --steps 6 \
         --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
-        tests/unit/test_activation_memory.py tests/cli/test_qlora.py -k cuda ;;
+        tests/unit/test_activation_memory.py tests/unit/test_qlora_unit.py -k cuda ;;
     checkpoint_stall) part checkpoint_stall 560 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
 tests/unit/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;

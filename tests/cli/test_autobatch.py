@@ -7,7 +7,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from looplib.run.autobatch import candidates, find_micro_batch
 from looplib.errors import ConfigError
 from looplib.cli.main import build_job
 
@@ -16,22 +15,6 @@ from conftest import REPO, run_cli
 FAKE = ["model._target_=fake_oom.GPTThatOOMs", "data=random", "model.seq_len=32", "model.n_layer=2"]
 QUICK = ["max_steps=2", "log_every=1", "eval_samples=4", "sample_tokens=0"]
 ENV = {"PYTHONPATH": str(REPO / "tests")}
-
-
-def test_candidates_are_multiples_of_8_then_the_other_divisors():
-    assert candidates(64) == ([8, 16, 32, 64], [4, 2, 1])
-    assert candidates(24) == ([8, 24], [6, 4, 3, 2, 1])
-    assert candidates(12) == ([], [12, 6, 4, 3, 2, 1])
-
-
-@pytest.mark.parametrize("limit,best,tried", [
-    (20, 16, [(8, True), (16, True), (32, False)]),
-    (64, 64, [(8, True), (16, True), (32, True), (64, True)]),
-    (5, 4, [(8, False), (4, True)]),
-    (0, None, [(8, False), (4, False), (2, False), (1, False)]),
-])
-def test_search(limit, best, tried):
-    assert find_micro_batch(lambda size: size <= limit, 64) == (best, tried)
 
 
 def compose_with(*overrides):

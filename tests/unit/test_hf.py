@@ -1,13 +1,12 @@
 """A Hugging Face transformers model, built from a config (no download), trains through
 looplib with bf16 autocast and 8-bit Adam; skipped when transformers is not installed."""
-import json
 
 import pytest
 import torch
 
 from looplib import BF16, Adam8bit, ConfigError, RandomTokens, train_model
 
-from conftest import needs_bnb, run_cli
+from conftest import needs_bnb
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'looplib[hf]')")
 
@@ -51,20 +50,6 @@ def test_llama_trains_with_bf16_and_adam8bit_and_checkpointing():
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(moved) == len(before)
     assert result.eval_loss is not None and result.eval_loss < 4.2  # log(64) = 4.16 at the start
-
-
-@needs_bnb
-def test_llama_through_the_cli(tmp_path):
-    run_dir = tmp_path / "run"
-    r = run_cli("model=llama_tiny", "model.seq_len=16", "model.hidden_size=32", "model.intermediate_size=64",
-                "model.num_hidden_layers=1", "model.gradient_checkpointing=true", "+precision=bf16", "+optim=adam8bit",
-                "data=random", "max_steps=2", "batch_size=2", "log_every=1", "eval_samples=4", "sample_tokens=4",
-                f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in rows if "loss" in m] == [1, 2]
-    assert "looplib.hf.CausalLM" in (run_dir / "config.yaml").read_text()
-    assert "a sample from the trained model" in r.stdout
 
 
 def test_an_unknown_model_type_is_a_config_error():
