@@ -1,12 +1,7 @@
-"""tune's parts in-process: reading a run into the job's time, the search's order, the choice, the noise rules, a signal, dropout (the command-line tests: tests/cli/test_tune.py)."""
+"""tune's parts in-process: reading a run into the job's time, the search's order, the choice, the noise rules, dropout (the command-line tests: tests/cli/test_tune.py)."""
 import json
-import os
 from pathlib import Path
-import signal
-import time
 import pytest
-
-from test_tune import BARE, ENV, TINY, alive, cmdline, group_of, rows, tune  # noqa: F401 - helpers and fixtures the tests share
 
 
 def test_tune_says_when_the_machine_is_oversubscribed_and_keys_its_cache_on_the_threads(capsys):
@@ -154,44 +149,6 @@ def test_a_leader_within_noise_is_not_chosen_over_the_simpler_job():
     search = synthetic(JobPlan(10_000), ref, compiled)
     assert search.choice.candidate.label() == "as given"
     assert search.rows[1].verdict == "too noisy to decide" and "too noisy to decide" in search.why
-
-
-def test_a_signal_stops_the_candidate_and_keeps_what_was_measured(tmp_path):
-    """SIGTERM to tune while a candidate runs: the candidate's process group is gone within a
-    second, tune.json holds the measured rows (the one stopped: interrupted), the best so far is
-    printed, exit 75."""
-    import warm
-    env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0"}
-    job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
-           "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
-    out, err = tmp_path / "out", tmp_path / "err"
-    out.touch(), err.touch()
-    tuner = warm.context().Process(target=warm.main, args=(  # python -m looplib.tune, from the warm fork server
-        "looplib.tune", [*job, "tune.search=[batch]", *BARE, "tune.repeats=1", f"hydra.run.dir={tmp_path / 't'}"],
-        str(tmp_path), env, str(out), str(err), warm.fresh_path()))
-    tuner.start()
-    second = tmp_path / "t" / "candidates" / "001"  # after the job as given (000; no priming run)
-    deadline, group = time.time() + 300, []
-    while not group and tuner.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-        group = [int(p) for p in os.listdir("/proc") if p.isdigit() and str(second) in cmdline(p)]
-    assert tuner.is_alive() and group, out.read_text() + err.read_text()
-    time.sleep(0.5)  # mid-candidate: it is importing, building or training
-    os.kill(tuner.pid, signal.SIGTERM)
-    sent = time.time()
-    while any(alive(pid) for pid in group) and time.time() - sent < 1.0:
-        time.sleep(0.02)
-    assert not any(alive(pid) for pid in group), "the candidate outlived the signal by a second"
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and group_of(p) in group]
-    tuner.join(60)
-    out, err = out.read_text(), err.read_text()
-    assert tuner.exitcode == 75, out + err
-    result = json.loads((tmp_path / "t" / "tune.json").read_text())
-    by = {x["candidate"]: x for x in result["rows"]}
-    assert by["as given"]["status"] == "measured" and by["as given"]["job_s"] > 0
-    assert by["1x2"]["status"] == "interrupted" and "SIGTERM" in by["1x2"]["reason"]
-    assert result["interrupted"] and result["stopped_by"] == "SIGTERM"
-    assert "stopped by SIGTERM" in out and out.strip().splitlines()[-1] == result["best"]["command"]
 
 
 @pytest.mark.parametrize("dropout,status", [(0.0, "error"), (0.1, "measured")])
