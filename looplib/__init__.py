@@ -20,7 +20,6 @@ from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, Toke
 from .engines import DDP, Engine, Local
 from .errors import ConfigError, Interrupted, NumericError, RunEnded, SaveError
 from .evaluation import Evaluation, HalfWeights, evaluate
-from . import moved as _moved
 from .loop import fit
 from .loss import SequenceCrossEntropy, TokenCrossEntropy
 from .optim import SGD, Adafactor, Adam8bit, AdamW, OptimizerFactory, list_optimizers, param_groups
@@ -30,8 +29,6 @@ from .telemetry import Telemetry
 from .train_state import TrainState
 from .version import __version__
 
-
-_moved.install()  # the old import paths, for one release, each with a FutureWarning naming the new one
 
 # engines and trackers the docs name beside BF16(), imported when first used: importing looplib
 # imports neither deepspeed nor any tracker's library (nor the modules that would)

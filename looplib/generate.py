@@ -2,12 +2,6 @@
 (``looplib.cli.generate``)."""
 
 
-def __getattr__(name: str):
-    """``looplib.generate.main`` moved to ``looplib.cli.generate`` (a warning says so)."""
-    from looplib.moved import attribute
-    return attribute(__name__, name)
-
-
 if __name__ == "__main__":
     import sys
 

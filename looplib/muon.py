@@ -17,7 +17,7 @@ pooler) goes to AdamW with looplib's usual grouping (biases, norms and embedding
   ``exp_avg``, ``exp_avg_sq`` for the rest) and round-trips.
 - **The update** is ``torch.optim.Muon``'s, step for step (its Newton-Schulz and lr adjustment are
   torch's own functions): equal bit for bit to ``torch.optim.Muon`` + ``torch.optim.AdamW`` on
-  the same split (tests/test_muon.py).
+  the same split (tests/unit/test_muon.py).
 - **Sharded (FSDP2)**: a Muon parameter is a row-sharded ``DTensor``, and Newton-Schulz needs the
   whole matrix. The momentum update runs on each rank's rows; the update matrix is then
   all-gathered (one matrix at a time), every rank orthogonalises the whole matrix (the same

@@ -16,7 +16,7 @@ from .errors import ConfigError, need
 from .schema import Beta, NonNegative, Positive, Range
 
 # The optimizer defaults, one set for the command line (conf/config.yaml's lr and weight_decay,
-# conf/optim/*.yaml), the classes below and ``train_model``; tests/test_validation.py holds them
+# conf/optim/*.yaml), the classes below and ``train_model``; tests/cli/test_validation.py holds them
 # equal. lr and weight decay suit the small models looplib ships; betas (0.9, 0.95) are the
 # usual choice for transformer language models (torch's own default beta2 is 0.999).
 LR = 2e-3
@@ -203,9 +203,3 @@ def built_class(factory: "OptimizerFactory") -> type:
         return factory.builds
     with torch.random.fork_rng(devices=[]):
         return type(factory.build(torch.nn.Linear(1, 1)))
-
-
-def __getattr__(name: str):
-    """The schedules' old import path (``looplib.optim.WarmupCosine``): found in ``looplib.schedule``, with a warning."""
-    from .moved import attribute
-    return attribute(__name__, name)

@@ -6,7 +6,7 @@ steps, the largest absolute weight difference, and the line the resume said.
     python scripts/bench_elastic.py --out results/cpu-elastic            # DDP, FSDP2, DeepSpeed ZeRO-2 and -3
     python scripts/bench_elastic.py --engines ddp --out /tmp/elastic     # one engine
 
-The tests (tests/test_engines_ddp.py, test_engines_fsdp.py, test_elastic.py) hold a subset of
+The tests (tests/dist/test_engines_ddp.py, test_engines_fsdp.py, test_elastic.py) hold a subset of
 this matrix to 1e-5 in CI; this script runs all of it (4 processes cost CI minutes) and reports
 the figures. Written to --out: elastic.md, elastic.json.
 """

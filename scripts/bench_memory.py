@@ -73,7 +73,7 @@ def planned_mb(job: list[str], overrides: list[str], device: str) -> float:
     """What ``python -m looplib.plan`` predicts for the row: static bytes + activations."""
     from hydra import compose, initialize_config_module
 
-    from looplib.plan import build_plan
+    from looplib.cli.plan import build_plan
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*job, *overrides, "device=cpu"])
     plan = build_plan(cfg, memory=1)

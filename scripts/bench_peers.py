@@ -19,7 +19,7 @@ run on this device: why). looplib's ratio to each peer follows (tokens/s, and pe
 
 ``--tiny`` runs every workload the CPU can run at tiny sizes: looplib (its GPU settings with the
 CPU's substitutes, named in the row), ``looplib_same`` (looplib on the Trainer's exact settings and
-model: its losses must equal the Trainer's, tests/test_bench_peers.py) and the HF Trainer; peers
+model: its losses must equal the Trainer's, tests/cli/test_bench_peers.py) and the HF Trainer; peers
 that need a GPU (torchtitan, unsloth) get a ``not run`` row. Written to --out, after every row (a
 run cut short keeps what finished; rows of other workloads already there stay): peers.md, peers.json
 ``{"device", "rows": [{"workload", "framework", "tokens_per_s", "peak_mem_mb", "loss", "settings",

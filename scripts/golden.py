@@ -3,7 +3,7 @@
     python scripts/golden.py            # show the diff against the committed numbers
     python scripts/golden.py --write    # and write the new numbers
 
-The test (tests/test_golden.py) recomputes these losses with the same function and compares.
+The test (tests/unit/test_golden.py) recomputes these losses with the same function and compares.
 The same numbers must hold for (batch 8, accumulation 1) and (batch 2, accumulation 4).
 """
 from __future__ import annotations

@@ -120,13 +120,13 @@ rm -rf $results/check_run && $py -m looplib.train +precision=bf16 +optim=adam8bi
 hydra.run.dir=$results/check_run && $py -m looplib.plan model=bert_large data=classification \
 loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     tests) part tests 300 $py -m pytest -q -rs -p no:cacheprovider \
-        tests/test_loop_reference.py::test_loop_matches_reference_on_cuda \
-        tests/test_plan.py::test_plan_against_the_allocator_peak_on_a_gpu \
-        tests/test_telemetry_memory.py::test_gpu_rows_hold_nvml_memory \
-        tests/test_bench_guides.py::test_mfu_gpu_eager_row \
-        tests/test_engines_ddp.py::test_torchrun_on_cuda_uses_nccl -s ;;
+        tests/unit/test_loop_reference.py::test_loop_matches_reference_on_cuda \
+        tests/cli/test_plan.py::test_plan_against_the_allocator_peak_on_a_gpu \
+        tests/unit/test_telemetry_memory.py::test_gpu_rows_hold_nvml_memory \
+        tests/cli/test_bench_guides.py::test_mfu_gpu_eager_row \
+        tests/dist/test_engines_ddp.py::test_torchrun_on_cuda_uses_nccl -s ;;
     tests_ds) part tests_ds 240 $py -m pytest -q -rs -p no:cacheprovider \
-        tests/test_engines_deepspeed.py::test_cuda_offload_runs_and_tracks_the_local_engine ;;
+        tests/dist/test_engines_deepspeed.py::test_cuda_offload_runs_and_tracks_the_local_engine ;;
     mfu) part mfu 240 $py scripts/bench_mfu.py --out "$results/mfu" ;;
     overhead) part overhead 300 $py scripts/bench_overhead.py --device cuda --precision bf16 --pairs 3 \
         --steps 150 --warmup 10 --out "$results/overhead" ;;
@@ -168,16 +168,16 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
 $py scripts/profile_step.py --out $results/speed_profile/compiled -- model=gpt2_small data=random \
 data.vocab_size=50257 batch_size=8 +precision=bf16 +optim=adamw optim.impl=fused model.pad_vocab_to=64 \
 +compile=default compile.loss=true" ;;
-    speed_tests) part speed_tests 400 $py -m pytest -q -rs -p no:cacheprovider tests/test_speed.py -k gpu ;;
+    speed_tests) part speed_tests 400 $py -m pytest -q -rs -p no:cacheprovider tests/unit/test_speed.py -k gpu ;;
     memory_qlora) part memory_qlora 560 $py scripts/bench_fit.py --rows qlora8b --steps 6 --out "$results/memory_qlora" ;;
     memory_activations) part memory_activations 400 $py scripts/bench_fit.py \
         --rows none,blocks,selective,offload,offload_sync --steps 20 --out "$results/memory_activations" ;;
     memory_qlora_fsdp) part memory_qlora_fsdp 420 $py scripts/bench_fit.py --rows qlora8b,qlora8b_fsdp --steps 6 \
         --out "$results/memory_qlora_fsdp" ;;
     memory_tests) part memory_tests 240 $py -m pytest -q -rs -s -p no:cacheprovider \
-        tests/test_activation_memory.py tests/test_qlora.py -k cuda ;;
+        tests/unit/test_activation_memory.py tests/unit/test_qlora_unit.py -k cuda ;;
     checkpoint_stall) part checkpoint_stall 560 bash -c "$py -m pytest -q -rs -p no:cacheprovider \
-tests/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
+tests/unit/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py --size 1b --device cuda --repeats 2 \
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
     time_to_loss) part time_to_loss 560 $py scripts/bench_time_to_loss.py --jobs gpt2 --recipes adamw+cosine,muon+wsd \
         --lrs 1e-3,3e-3 --seeds 1 --eval-every 20 --threads 8 --out "$results/time_to_loss" ;;

@@ -6,7 +6,7 @@
 Each trial starts `python -m looplib.train` with a checkpoint after every optimizer step (so
 many kills land inside a checkpoint write), kills it at a random moment, then resumes it
 with `resume=auto` until it finishes; the final weights must equal those of a run that was
-never interrupted. tests/test_resume_cli.py runs 8 trials in CI. With ``--async`` the interrupted
+never interrupted. tests/cli/test_resume_cli.py runs 8 trials in CI. With ``--async`` the interrupted
 runs write their checkpoints in the background (``checkpoint.async=true``; the reference does not).
 """
 from __future__ import annotations

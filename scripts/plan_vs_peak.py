@@ -18,7 +18,7 @@ from pathlib import Path
 def plans(paths: list[Path]) -> list[tuple[str, float, float, float]]:
     from hydra import compose, initialize_config_module
 
-    from looplib.plan import build_plan
+    from looplib.cli.plan import build_plan
     out, seen = [], set()
     for path in paths:
         run = json.loads(path.read_text())

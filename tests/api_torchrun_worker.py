@@ -1,6 +1,6 @@
 """``train_model(..., engine=DDP())`` under torchrun, always with ``resume="auto"`` (the same command
 starts the run and continues it): ``torchrun --nproc_per_node 2 tests/api_torchrun_worker.py RUN_DIR``.
-tests/test_elastic.py stops one launch with SIGTERM and compares the continued run with an
+tests/dist/test_elastic.py stops one launch with SIGTERM and compares the continued run with an
 uninterrupted one. Exits with the run's status (75 when preempted)."""
 from __future__ import annotations
 

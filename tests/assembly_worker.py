@@ -1,6 +1,6 @@
 """One job through the command line's assembly path and through ``train_model``, in the same
 process(es): ``python tests/assembly_worker.py OUT ENGINE...`` (under torchrun for the
-distributed engines). tests/test_assembly.py compares what each wrote."""
+distributed engines). tests/dist/test_assembly.py compares what each wrote."""
 from __future__ import annotations
 
 import sys

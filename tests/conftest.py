@@ -77,11 +77,22 @@ TRACKED_SWEEP = ["-m", "+optim=adamw,sgd", "+logger=[tensorboard,mlflow,wandb]",
 
 @pytest.fixture(scope="session")
 def tracked_sweep(tmp_path_factory) -> Path:
-    """A two-job sweep (+optim=adamw,sgd) with every tracker: tests/test_loggers.py reads the
-    trackers back, tests/test_report.py reports on it (one sweep for both: CI time)."""
+    """A two-job sweep (+optim=adamw,sgd) with every tracker: tests/cli/test_loggers.py reads the
+    trackers back, tests/cli/test_report.py reports on it (one sweep for both: CI time)."""
     for module in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(module)
     root = tmp_path_factory.mktemp("tracked_sweep")
     r = run_cli(*TRACKED_SWEEP, f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     return root / "sweep"
+
+
+TIERS = ("unit", "cli", "dist")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its tier's marker, from the folder it sits in (``-m unit``, ``-m "not dist"``)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(tier)

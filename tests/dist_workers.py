@@ -1,5 +1,6 @@
 """Training runs used by the engine tests, as plain functions: in this process (the local
-reference) or in processes started by torch.multiprocessing (one per rank)."""
+reference) or in processes started by torch.multiprocessing (one per rank), forked from the tests'
+warm interpreter (tests/warm.py: torch and looplib imported once, not once per rank)."""
 from __future__ import annotations
 
 import json
@@ -90,7 +91,20 @@ def set_env(rank: int, world: int, port: int) -> None:
 
 
 def spawn(fn, world: int, out: Path, *args) -> None:
-    mp.spawn(fn, args=(world, free_port(), str(out), *args), nprocs=world, join=True)
+    """``fn(rank, world, port, out, *args)`` on ``world`` processes, each a fork of the warm interpreter
+    (tests/warm.py's fork server) run in this process's environment and working directory as it is now."""
+    import warm
+    warm.context()  # the fork server, with torch, torch._dynamo and looplib imported (started once)
+    mp.start_processes(in_env, args=(dict(os.environ), os.getcwd(), fn, world, free_port(), str(out), *args),
+                       nprocs=world, join=True, start_method="forkserver")
+
+
+def in_env(rank: int, env: dict, cwd: str, fn, *args) -> None:
+    """In a rank: the caller's environment (a fork server's child would have the server's) then ``fn``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(rank, *args)
 
 
 # ------------------------------------------------------------------------------ DDP

@@ -57,9 +57,3 @@ def leave(code) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)

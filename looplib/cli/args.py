@@ -41,7 +41,7 @@ FOLLOWED = [
 
 def group_kinds() -> tuple[set[str], set[str]]:
     """(strategy groups, job groups): appended with ``+`` or switched in the defaults list
-    (``looplib.groups``; tests/test_config.py holds conf/ and its defaults list to the table)."""
+    (``looplib.groups``; tests/cli/test_config.py holds conf/ and its defaults list to the table)."""
     rows = table.groups()
     return {g.name for g in rows if g.appended}, {g.name for g in rows if not g.appended}
 

@@ -122,10 +122,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     print(text)
     return 0
-
-
-
-def __getattr__(name: str):
-    """Loading a run's model moved to ``looplib.run.finished`` (a warning says so)."""
-    from ..moved import attribute
-    return attribute(__name__, name)

@@ -7,7 +7,7 @@
     ${looplib.seq_len:CAP}          model=hf's window: the model's positions, at most CAP
                                     (``hf.config.default_seq_len``)
 
-Part of the config layer: ``looplib.build`` registers them when it is imported (composing a
+Part of the config layer: ``looplib.cli.instantiate`` registers them when it is imported (composing a
 config needs them), so neither the launcher nor the data modules register anything.
 """
 from __future__ import annotations

@@ -164,9 +164,3 @@ def main(argv: list[str] | None = None) -> int:
         status = stop.status
     write_exit_status(status)  # LOOPLIB_EXIT_FILE (rank 0): 2 for a refusal, 75 or 130 after a signal
     return status
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)

@@ -33,9 +33,3 @@ from .tracker import IDS, Tracker, flatten, need_tracker
 from .wandb import WandB
 
 __all__ = ["IDS", "JsonLines", "Logger", "Loggers", "MLflow", "Run", "TensorBoard", "Tracker", "WandB", "flatten", "logged_steps", "need_tracker"]
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)

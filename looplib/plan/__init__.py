@@ -3,14 +3,14 @@
 Prints, for the job ``python -m looplib.train <overrides>`` would run, where the memory goes
 (the anatomy of the single-GPU guides), in bytes:
 
-- static, exact (equal to the bytes of the real tensors; ``tests/test_plan.py`` checks it):
+- static, exact (equal to the bytes of the real tensors; ``tests/cli/test_plan.py`` checks it):
   weights, the 16-bit copies autocast makes of matmul weights under mixed precision (so
   4 bytes/param in fp32, about 6 mixed), gradients, optimizer state;
 - activations saved for backward per micro-batch for each activation strategy (none, blocks,
   selective, offload: on the device and, offloaded, in host memory), measured by running the
   model on the meta device (no memory, no compute) with attention counted as a fused kernel
   saves it (q, k, v, output, logsumexp); on the CPU within 5% of the bytes a real forward
-  holds for backward (``tests/test_activation_memory.py``); and what backward allocates on top
+  holds for backward (``tests/unit/test_activation_memory.py``); and what backward allocates on top
   at most: one chosen module recomputed or brought back, or the cross-entropy's backward (two
   gradients the size of the fp32 logits, with everything saved still held: GBs for a large
   vocabulary);
@@ -48,9 +48,3 @@ __all__ = ["BNB_BLOCK", "BNB_QMAP", "MATMUL_MODULES", "STRATEGIES", "USABLE", "A
            "measure_saved", "meta_batch", "nbytes", "plan_job", "optimizer_state_bytes", "optimizer_state_bytes_of",
            "recommendations", "render", "row", "state_rule", "state_tensor_bytes", "unique_params", "weight_bytes",
            "zero_per_rank"]
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)

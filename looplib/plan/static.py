@@ -1,5 +1,5 @@
 """Static memory, exact: weights, autocast's 16-bit weight copies, gradients and optimizer state,
-in bytes equal to the real tensors' (``tests/test_plan.py`` checks them against real runs).
+in bytes equal to the real tensors' (``tests/cli/test_plan.py`` checks them against real runs).
 Gradients and optimizer state count the parameters that train (LoRA: the adapter's only)."""
 from __future__ import annotations
 

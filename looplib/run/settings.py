@@ -1,6 +1,6 @@
 """The job's top-level settings, typed: the command line's keys (conf/config.yaml) and
 ``train_model``'s keyword arguments are the same fields, with the same defaults (this module is
-their one source: tests/test_config.py holds conf/config.yaml and ``train_model``'s signature
+their one source: tests/cli/test_config.py holds conf/config.yaml and ``train_model``'s signature
 equal to it), checked by the same rules (``looplib.schema``: constructor annotations are the
 schema). Imports neither Hydra nor OmegaConf.
 """
@@ -33,7 +33,7 @@ class Loader:
 
 @dataclass
 class Checkpoint:
-    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.checkpoints``)."""
+    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.run.saving``)."""
     enabled: bool = True
     every_steps: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. checkpoint.every_steps=100 (0: only at the end)"})
     keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})
@@ -49,7 +49,7 @@ SWEEP_METRICS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "token
 
 @dataclass
 class Sweep:
-    """The ``sweep`` keys: what each job returns to a Hydra sweeper (``looplib.sweep``)."""
+    """The ``sweep`` keys: what each job returns to a Hydra sweeper (``looplib.cli.sweep``)."""
     metric: str = field(default="eval_loss", metadata={"fix": "use e.g. sweep.metric=eval_loss"})
     direction: Literal["minimize", "maximize"] = "minimize"
 

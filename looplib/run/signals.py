@@ -160,7 +160,7 @@ class Signals:
 
     def stop(self, reason: str) -> None:
         """Stop at the next step boundary, after saving, as on SIGTERM, for a reason of the run's
-        own (``looplib.sweep``: the study pruned this trial). The exit status stays 0."""
+        own (``looplib.cli.sweep``: the study pruned this trial). The exit status stays 0."""
         self.reason = self.reason or reason
 
     @property

@@ -111,7 +111,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                  optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
-    with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.signals)
+    with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.run.signals)
         try:
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
                 precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,

@@ -162,9 +162,3 @@ def test_env(label: str, run: int) -> dict:
         return {}
     table = json.loads(given)
     return {**table.get(label, {}), **table.get(f"{label}#{run}", {})}
-
-
-def __getattr__(name: str):
-    """Names that moved away from here: found where they live now, with a warning (``looplib.moved``)."""
-    from ..moved import attribute
-    return attribute(__name__, name)
