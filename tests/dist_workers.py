@@ -103,6 +103,11 @@ def in_env(rank: int, env: dict, cwd: str, fn, *args) -> None:
     """In a rank: the caller's environment (a fork server's child would have the server's) then ``fn``."""
     os.environ.clear()
     os.environ.update(env)
+    # as torchrun starts its ranks: one thread each unless told (the fork server imported torch already, so
+    # the env var alone would not reach its thread pool); with two threads the embedding's gradient
+    # summed in another order under DDP than under FSDP and the bit-equality test failed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     fn(rank, *args)
 
