@@ -75,7 +75,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
         saved_max = ((resumed.checked or {}).get("config") or {}).get("max_steps") if resumed and resumed.path else None
         said = getattr(job.schedule, "moved", None)  # (a schedule of the user's own may have no such verb)
         moved = said(state.step, saved_max, s.max_steps) if said and saved_max and state.step else None
-        if moved:  # the schedule's own curve, said rather than left to a line of changed keys
+        if moved and engine.is_main:  # the schedule's own curve (one voice), said rather than left to a changed key
             log.warning("resume: %s", moved)
     if engine.is_main and run_dir is not None:
         # what ran, and on how many processes by which launcher: a sweep's trials, a report, a study compare it
