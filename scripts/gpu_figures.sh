@@ -12,7 +12,7 @@
 #     bash scripts/gpu_figures.sh OUT peers_gpt2 peers_qlora     # 400 s
 #     bash scripts/gpu_figures.sh OUT peers_pretrain             # 360 s   (`peers` runs all three workloads)
 #   speed          = speed_ladder (420 s) + speed_bert (70 s)
-#   speed_ladder   GPT-2 small ladder to its best combination: eager, compile (padded vocabulary), compiled
+#   speed_ladder   GPT-2 small ladder (LADDER_ROWS=a,b,... picks rows) to its best combination: eager, compile (padded vocabulary), compiled
 #                  loss, Liger loss, compiled optimizer step, CUDA graphs over forward/backward/optimizer,
 #                  fp8 (tensorwise), regional compile, then --best (the options
 #                  that beat the compiled row, combined). Rows that would overrun the budget are left out
@@ -139,7 +139,7 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
     speed_options) part speed_options 300 $py scripts/bench_speed.py ;;
     speed) l=$(limit speed_ladder 420); part speed_ladder "$l" $py scripts/bench_mfu.py --steps 12 --warmup 6 --best \
             --budget-s $((l - 15)) \
-            --rows eager,compile,compile_loss,liger,compile_optimizer,graphs_step,fp8,regional \
+            --rows "${LADDER_ROWS:-eager,compile,compile_loss,liger,compile_optimizer,graphs_step,fp8,regional}" \
             --out "$results/speed_ladder"
         part speed_bert 70 $py scripts/bench_guides.py --rows fastest --trainer-rows none --steps 16 \
             --out "$results/speed_bert" ;;
