@@ -11,8 +11,8 @@ the blocks share one compiled graph, so the cold start stops growing with depth;
 eagerly. ``compile.optimizer=true`` compiles the end of the step too: the gradient norm, the
 clipping, the inf/NaN skip (on the device) and the optimizer's update in ONE compiled region
 (``CompiledStep.clip_and_step``, which ``looplib.loop.clip_and_step`` asks for; inductor fuses the
-per-parameter foreach kernels; under ``mode=reduce-overhead`` the region replays as a CUDA graph, as
-the forward and backward do, so the whole step is graphed). The seconds spent compiling (forward, backward where it is compiled
+per-parameter foreach kernels; under ``mode=reduce-overhead`` the forward and backward replay as CUDA
+graphs and the region runs as inductor's kernels without one: ``step_options``). The seconds spent compiling (forward, backward where it is compiled
 lazily, the optimizer step) are written to metrics.jsonl as a ``compile_s`` row at the end of the run.
 """
 from __future__ import annotations
@@ -188,7 +188,7 @@ class CompiledStep:
     """``optimizer.step`` through ``torch.compile`` (its step hooks included: looplib's count of
     real updates sees every step), and ``clip_and_step``: the loop's unscale, clip and step with the
     gradient norm, the clipping, the non-finite skip and the update in ONE compiled region (one
-    inductor graph; under ``mode=reduce-overhead`` one CUDA graph).
+    inductor graph; never a CUDA graph: ``step_options``).
 
     - **The skip on the device.** A step whose gradients are not finite (fp32/bf16: the gradient
       norm; fp16: the loss scaler's flag, set by its unscale) updates nothing: the region keeps
@@ -211,6 +211,7 @@ class CompiledStep:
         # the class's step (torch wraps it to run the step hooks); an LR scheduler built before or after
         # this sees a step it need not wrap (_wrapped_by_lr_sched) and the call noted as its own wrapper would
         self.optimizer, self.step = optimizer, type(optimizer).step.__get__(optimizer)
+        options = step_options(options)
         self.compiled = torch.compile(self.step, **options)
         # the update alone: torch wraps it to run the hooks and to break the graph around it (so that a
         # step compiled on its own is traced without grad); the region runs without grad throughout
@@ -290,6 +291,17 @@ class CompiledStep:
         for t, old in zip(kept, before):
             t.copy_(torch.where(skip, old, t))
         return norm, skip.float()
+
+
+def step_options(options: dict) -> dict:
+    """The compile options of the optimizer's step and the clip-and-step region: the model's, without
+    CUDA graphs. The gradients the region reads are the outputs of the backward's CUDA graph, and a
+    graph invoked after the backward starts a new generation of the cudagraph trees, which frees them
+    (H200, torch 2.11, 2026-11-28: "accessing tensor output of CUDAGraphs that has been overwritten by a
+    subsequent run" at the region's first norm). Read by uncaptured kernels they stay valid until the
+    next forward, as in an eager step; inductor still fuses the foreach kernels into a few launches."""
+    mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(options.get("mode"))
+    return {**options, "mode": mode} if mode else dict(options)
 
 
 def joins_region(precision) -> bool:

@@ -205,7 +205,7 @@ class Telemetry:
         now = time.perf_counter()
         dt = max(now - self._t0, 1e-9)
         iv = self._interval
-        row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+        row = {"step": step, "epoch": epoch, "loss": loss, "lr": float(lr),  # a device tensor under compile.optimizer
                "steps_averaged": iv["steps"],  # the steps behind the loss and rates (fewer after a resume)
                "step_time_s": dt / iv["steps"], "samples_per_s": iv["samples"] / dt,
                f"{self.items}_per_s": iv["items"] / dt, "skipped_steps": self.boundaries - self.optimizer_steps if skipped is None else int(skipped),

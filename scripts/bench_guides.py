@@ -111,6 +111,8 @@ def shape(job: list[str]) -> dict:
     """The model and data settings of the looplib job, composed by Hydra (the Trainer gets the same)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
+
+    import looplib.cli.instantiate  # noqa: F401  (registers the ${looplib.*} resolvers conf/ uses)
     with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*job, "device=cpu"])
     model = OmegaConf.to_container(cfg.model, resolve=True)

@@ -68,7 +68,7 @@ GPU_ROWS = {
     "compile_optimizer": ("+ optimizer step compiled (foreach AdamW, inductor-fused), loss compiled",
                           merge(COMPILED, ["compile.loss=true", "optim.impl=foreach", "compile.optimizer=true"]),
                           torch.bfloat16),
-    "graphs_step": ("+ CUDA graphs over forward, backward and the compiled optimizer step",
+    "graphs_step": ("+ CUDA graphs over forward and backward, the optimizer step compiled",
                     merge(BF16, PAD, ["+compile=reduce_overhead", "optim.impl=foreach", "compile.optimizer=true"]),
                     torch.bfloat16),
     "regional": ("torch.compile of each block (regional: cold start flat in depth)",

@@ -109,7 +109,7 @@ class GPT(nn.Module):
         c = self.config
         return 6 * (body + self.head.weight.numel()) * t + 12 * c["n_layer"] * c["d_model"] * t * t
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torchao's fp8 weights under FSDP2 cannot be inference tensors
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int = 40, generator: torch.Generator | None = None, stop: int | None = None) -> torch.Tensor:
         """Top-k sampling; ``stop``: a token id (the end of a chat turn) after which a row is done
