@@ -43,11 +43,14 @@ sys.path.insert(0, str(PEERS))
 from spec import WORKLOADS, job, write_data, write_model  # noqa: E402
 
 # looplib's settings per workload (command-line overrides): its best known for the job. GPT-2 small leaves
-# Liger's loss out: on an H200 (2026-11-28) this row with loss=lm_liger ran 144,517 and 149,586 tokens/s, the
-# HF Trainer 303,738, while the ladder's compiled row (plain loss, same shapes) ran 296,258-325,890.
+# Liger's loss out and compiles the loss with the model (as the HF Trainer's torch_compile compiles GPT-2's
+# forward with its loss): on an H200 (2026-11-28) this row with loss=lm_liger ran 149,586 tokens/s, with the
+# plain loss uncompiled 340,195 (HF Trainer 320,785), and the ladder's rows at the same shapes ran compile
+# 314,068, compile + loss compiled 400,890 at 0.58x the memory, Liger 156,006 (results/h200-2026-11-28-second).
 LOOPLIB = {
     "pretrain": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "+compile=default", "loss=lm_liger"],
-    "gpt2": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "model.pad_vocab_to=64", "+compile=default"],
+    "gpt2": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "model.pad_vocab_to=64", "+compile=default",
+             "compile.loss=true"],
     "qlora": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "+checkpointing=blocks", "loss=lm_liger"],
 }
 # a GPU machine here reaches no network: every library is told so, and fails fast instead of waiting on one
