@@ -13,7 +13,7 @@ exit status the command line returns for it.
     75      preempted           ``Interrupted``: SIGTERM/SIGUSR1, saved at the next step boundary
     130     interrupted         ``Interrupted``: Ctrl-C
 
-``looplib.run.lifecycle.execute`` raises them (``train_model`` lets them through to Python
+``looplib.run.session.Session`` raises them (``train_model`` lets them through to Python
 callers); ``python -m looplib.train`` prints ``err.line`` and exits with ``err.status``.
 ``RunEnded`` derives from ``BaseException`` so that ``Interrupted``, which a signal raises
 wherever the process is, passes through a library's ``except Exception``; the others are also

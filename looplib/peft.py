@@ -32,7 +32,6 @@ from torch import nn
 
 from .engines.local import Engine
 from .errors import ConfigError, need
-from .models.gpt import GPT
 from .precision import Precision
 from .schema import Beta, Positive
 
@@ -107,8 +106,9 @@ class LoRA(FullModel):
         [all-linear] is peft's own choice, every Linear but the output layer (transformers models)."""
         if self.target_modules is not None:
             return ALL_LINEAR if self.target_modules == [ALL_LINEAR] else self.target_modules
-        if isinstance(model, GPT):
-            return list(GPT_LINEARS)
+        declared = getattr(model, "lora_targets", None)  # a model's own defaults (the bundled GPT's: GPT_LINEARS)
+        if declared:
+            return list(declared)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if isinstance(model_type, str):  # a transformers model (looplib.hf's wrappers pass its config on)
             defaults = self.peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -269,15 +269,11 @@ class QLoRA(LoRA):
 
 
 def untrained(model: nn.Module) -> bool:
-    """True for a model looplib knows was built with random weights and never loaded any: the
-    bundled models (``looplib.models``) with no weights loaded, a transformers model built from a
-    config (no ``model.path``). Any other model: False (looplib cannot tell)."""
-    from .models import BertClassifier
-    if getattr(model, "weights_from", None):
-        return False
-    if isinstance(model, (GPT, BertClassifier)):
-        return True
-    return hasattr(model, "adapt") and hasattr(model, "hf") and not getattr(model, "path", None)
+    """True for a model looplib knows was built with random weights and never loaded any: one that
+    keeps ``weights_from`` (``looplib.models.gpt.weights_loaded``: the bundled models, and a
+    transformers model built from a config without ``model.path``) while it is still None. Any
+    other model: False (looplib cannot tell)."""
+    return getattr(model, "weights_from", "not kept") is None
 
 
 def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

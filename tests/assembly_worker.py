@@ -12,9 +12,9 @@ from hydra.utils import instantiate
 
 from looplib import train_model
 from looplib.cli.instantiate import check_config
-from looplib.cli.main import job_parts
+from looplib.cli.main import job_spec
 from looplib.groups import strategies
-from looplib.run.lifecycle import execute
+from looplib.run.session import Session
 from looplib.run.signals import Signals
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=16", "data.vocab_size=64", "model.n_layer=1",
@@ -34,9 +34,10 @@ def compose_job(engine: str):
 
 def through_the_cli(engine: str, run_dir: Path):
     """What ``python -m looplib.train`` does once Hydra has composed the config: its front door."""
-    cfg, made = compose_job(engine), []
-    trained = execute(lambda: made.append(job_parts(cfg)) or made[0], run_dir, Signals(), fresh=True)
-    return made[0][0].engine, trained.model
+    with Session(run_dir, Signals(), fresh=True) as session:
+        spec = job_spec(compose_job(engine))
+        trained = session.run(spec)
+    return spec.parts.engine, trained.model
 
 
 def through_python(engine: str, run_dir: Path):

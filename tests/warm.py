@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-PRELOAD = ["torch", "torch._dynamo", "looplib", "looplib.cli.main", "looplib.cli.entry", "looplib.run.lifecycle", "hydra",
+PRELOAD = ["torch", "torch._dynamo", "looplib", "looplib.cli.main", "looplib.cli.entry", "looplib.run.session", "hydra",
            "omegaconf", "safetensors.torch", "numpy"]
 
 _context = None

@@ -2,7 +2,7 @@
 
     entry        running a ``@hydra.main`` function: arguments normalised, Hydra's refusals as one line
     args         both spellings of a group (``+precision=bf16``, ``model=x``), Hydra's advice, its refusals explained
-    main         ``python -m looplib.train``: the config -> parts -> looplib.run.lifecycle.execute
+    main         ``python -m looplib.train``: the config -> a typed JobSpec -> looplib.run.session.Session
     instantiate  every key checked, group defaults, each group instantiated, trackers built
     resolvers    the ``${looplib.*}`` interpolations of conf/
     guard        ``RunDirGuard``: the run directory checked before Hydra writes into it

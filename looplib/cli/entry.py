@@ -25,7 +25,7 @@ from ..engines import board
 from ..engines.launch import launched_rank, launched_world, strip_launcher_args
 from ..errors import EXIT_CONFIG, Interrupted
 from ..run import rundir
-from ..run.lifecycle import refused_line
+from ..run.endings import refused_line
 from .args import explain, follow_advice, normalise
 
 FULL_ERROR = "HYDRA_FULL_ERROR"

@@ -1,10 +1,10 @@
 """Hydra entry point: ``python -m looplib.train [+group=option ...] [key=value ...]``.
 
-Only the mapping from the composed config to looplib's one front door
-(``looplib.run.lifecycle.execute``): check every key, instantiate each config group into its
-strategy object (cheap ones first, so bad input fails before a tokenizer is trained or a model
-is built), then run exactly what ``train_model`` runs from Python; the ending it raises becomes
-its line and the exit status.
+Only the mapping from the composed config to looplib's typed job (``job_spec``: every key
+checked, each cheap config group instantiated into its strategy object, the data and the model
+left as recipes, so bad input fails before a tokenizer is trained or a model is built), run by a
+``looplib.run.session.Session`` exactly as ``train_model`` runs one from Python; the ending it
+raises becomes its line and the exit status.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,45 +21,45 @@ from ..engines.launch import relaunch
 from ..errors import ConfigError, Interrupted, NothingToDo, PeerRefused, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
-from ..peft import FullModel
 from ..run import rundir
-from ..run.assembly import Job, Parts, Record
-from ..run.checkpoint_dir import seed_host_rngs
-from ..run.init_from import init_from
-from ..run.lifecycle import assemble, execute
+from ..run.assembly import Job, JobSpec, Parts, Recipe, Record
+from ..run.session import Session, assemble
 from ..run.lock import DirectoryHeld
-from ..run.settings import NOT_ARGUMENTS, Settings
+from ..run.settings import NOT_ARGUMENTS
 from ..run.signals import Signals
 from . import sweep
 from .entry import BOUNDARY
 from .instantiate import build_loggers, check_config, instantiate, origin
 
 
-def job_parts(cfg: DictConfig) -> tuple[Parts, Settings, Record]:
-    """Every key checked (type, range, existence), the cheap parts built (a missing package is a
-    ``ConfigError`` here), and the expensive ones (data, model) left for after the checks."""
+class GroupRecipe(Recipe):
+    """A config group instantiated only when the session builds it (the data and the model: after
+    every cheap check has passed, seeded)."""
+
+    def __init__(self, cfg: DictConfig, name: str):
+        self.cfg, self.name = cfg, name
+
+    def build(self):
+        return instantiate(self.cfg, self.name)
+
+
+def job_spec(cfg: DictConfig) -> JobSpec:
+    """The typed job of a composed config: every key checked (type, range, existence), the cheap
+    parts built (a missing package is a ``ConfigError`` here), the data and the model left as
+    recipes the session builds after the checks."""
     settings = check_config(cfg)  # every key, top level and in every group: type, range, existence
     # +logger= choices, and in a pruned search the trial's reporter (looplib.cli.sweep)
     trackers = Loggers(build_loggers(cfg), *sweep.reporting(cfg))
     # a group absent from the config (one with no default file) is its null object (Parts.fill)
     built = {row.part: instantiate(cfg, row.name) for row in strategies() if cfg.get(row.name) is not None}
-
-    def later() -> dict:
-        torch.manual_seed(settings.seed)  # before the data and the model: their initialisation is seeded
-        seed_host_rngs(settings.seed)  # Python's and NumPy's too (a data or model strategy may draw from them)
-        data = instantiate(cfg, "data")
-        with (built.get("peft") or FullModel()).loading():  # QLoRA: a transformers model loads in 4 bits
-            model = instantiate(cfg, "model")
-        if cfg.model.get("init_from"):  # a finished run's weights, only them (looplib.run.init_from)
-            init_from(model, str(cfg.model.init_from))
-        return {"data": data, "model": model}
-
-    return Parts(later, logger=trackers, **built), settings, record(cfg)
+    parts = Parts.of(data=GroupRecipe(cfg, "data"), model=GroupRecipe(cfg, "model"), logger=trackers, **built)
+    init = cfg.model.get("init_from")  # a finished run's weights, only them (looplib.run.init_from)
+    return JobSpec(parts, settings, record(cfg), init_from=str(init) if init else None)
 
 
 def build_job(cfg: DictConfig) -> Job:
     """The job the command line would train, built and not trained (tests, the profiler)."""
-    return assemble(*job_parts(cfg))
+    return assemble(job_spec(cfg))
 
 
 def record(cfg: DictConfig) -> Record:
@@ -104,8 +103,9 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
     """The job, through the front door; every way it can end becomes one line and an exit status."""
     fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
     try:
-        execute(lambda: job_parts(cfg), run_dir, signals, fresh=fresh,
-                key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir")
+        with Session(run_dir, signals, fresh=fresh, key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir") \
+                as session:
+            session.run(job_spec(cfg))
     except RunEnded as end:
         held = BOUNDARY.held
         if isinstance(end, (ConfigError, Interrupted, NothingToDo, PeerRefused)) and not signals.training \

@@ -52,7 +52,7 @@ def key(name: str, per_job: bool = True) -> str:
 
 
 def job_done() -> None:
-    """This process's job has ended (``looplib.run.lifecycle.execute``): the next one reads a clean board."""
+    """This process's job has ended (``looplib.run.session.Session``): the next one reads a clean board."""
     _JOBS[0] += 1
 
 

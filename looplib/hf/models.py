@@ -47,6 +47,8 @@ class HFModel(nn.Module):
         else:
             self.hf = auto.from_config(hf_config, attn_implementation=attn_implementation)
         weights_loaded(self)  # trained when read from model.path, or once weights are loaded (looplib.peft.untrained)
+        if self.path:  # read from it (on the meta device, the planner's: it will be)
+            self.weights_from = str(self.path)
         if gradient_checkpointing:  # transformers >= 5 renamed it activation checkpointing
             if hasattr(self.hf, "activation_checkpointing_enable"):
                 self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

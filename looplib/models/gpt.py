@@ -57,6 +57,9 @@ class GPT(nn.Module):
     the true vocabulary.
     """
 
+    # the default targets of LoRA (+peft=lora; looplib.peft.GPT_LINEARS): attention and MLP linears
+    lora_targets = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+
     def __init__(self, vocab_size: Positive[int], seq_len: Positive[int], n_layer: Positive[int] = 4,
                  n_head: Positive[int] = 4, d_model: Positive[int] = 128, dropout: Beta = 0.0,
                  pad_vocab_to: Positive[int] = 1):

@@ -1,9 +1,11 @@
 """A run's life, without Hydra: everything ``train_model`` needs (and the command line uses too).
 
-    lifecycle      the one front door: ``execute`` checks, builds, trains and closes; every ending a ``RunEnded``
-    assembly       ``Parts`` (one object per config group), ``check`` and ``build``: a job ready to train
+    session        the one front door: ``Session`` runs a typed ``JobSpec`` as named steps (check, claim, plan,
+                   build, train, close); every ending a ``RunEnded``
+    endings        the one line each ending says; a plain exception as an ending (full disk, lost rank)
+    assembly       ``Parts`` (one typed field per config group), ``JobSpec``, ``check`` and ``build``
     training       ``train``: loaders, optimizer, resume, telemetry, ``looplib.fit``, the final checkpoint, export
-    api            ``train_model``: Python objects -> the front door
+    api            ``train_model``: Python objects -> a JobSpec -> the session
     settings       the job's top-level settings, typed and checked
     autobatch      ``batch_size=auto``: the largest micro-batch that fits, and the accumulation
     rundir         what a run directory may hold; what a refused run leaves behind (nothing)

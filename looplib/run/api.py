@@ -1,5 +1,5 @@
 """The command line without Hydra: ``train_model`` builds and runs exactly what ``python -m
-looplib.train`` builds and runs (``looplib.run.lifecycle``), from Python objects.
+looplib.train`` builds and runs (``looplib.run.session``), from Python objects.
 
     from looplib import BF16, AdamW, train_model
     result = train_model(MyModel(), my_dataset, max_steps=1000, batch_size=8, accum_steps=4,
@@ -46,10 +46,9 @@ from ..optim import OptimizerFactory
 from ..peft import FullModel
 from ..precision import Precision
 from ..schedule import Schedule
-from .assembly import Parts, Record, Trained
-from .init_from import init_from as load_weights
+from .assembly import JobSpec, Parts, Record, Trained
 from .launcher import engine_for
-from .lifecycle import execute
+from .session import Session
 from .rundir import check as check_run_dir
 from .settings import (NOT_ARGUMENTS, SAMPLE_TOKENS, Checkpoint, Default, Settings, as_config, refuse_renamed,
                        settings_from)
@@ -144,25 +143,20 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
     if export == "hf" and not hasattr(model, "export"):
         raise ConfigError("export", f"export='hf' needs a transformers model (looplib.hf), not {type(model).__name__}",
                           "use export='auto' (model.safetensors), or wrap the model with looplib.hf.CausalLM")
-    parts = Parts(model=model, data=data, **{rows[arg].part: obj for arg, obj in given.items()})
-
-    def make() -> tuple[Parts, Settings, Record]:
-        parts.fill(settings)  # the null objects, so that config.yaml names every part's class
-        if init_from is not None:
-            load_weights(model, init_from)  # a finished run's weights, only them (model.init_from)
-        made = record(settings, parts, run_dir)
-        if init_from is not None:
-            made.config["model"]["init_from"] = str(init_from)
-        return parts, settings, made
-
+    parts = Parts.of(model=model, data=data, **{rows[arg].part: obj for arg, obj in given.items()})
     signals = Signals()
     try:
         signals.__enter__()  # SIGTERM, SIGUSR1, Ctrl-C handled as on the command line
     except ValueError:  # not the main thread: signals stay with the caller
         signals = Signals()
     try:
-        return execute(make, None if run_dir is None else Path(run_dir), signals,
-                       metrics=None if metrics is None else Path(metrics), export=export is not None)
+        with Session(None if run_dir is None else Path(run_dir), signals,
+                     metrics=None if metrics is None else Path(metrics), export=export is not None) as session:
+            parts.fill(settings)  # the null objects, so that config.yaml names every part's class
+            made = record(settings, parts, run_dir)
+            if init_from is not None:  # a finished run's weights, only them (model.init_from), once checked
+                made.config["model"]["init_from"] = str(init_from)
+            return session.run(JobSpec(parts, settings, made, None if init_from is None else str(init_from)))
     except ConfigError:
         board.heard()  # under torchrun: every rank knows of the refusal before this one's caller exits
         raise
@@ -206,7 +200,7 @@ def record(settings: Settings, parts: Parts, run_dir: str | Path | None) -> Reco
     config = {k: v for k, v in as_config(settings).items() if k not in NOT_ARGUMENTS}  # what ran, no unused key
     for row in groups():
         if row.stage != "trackers":
-            config[row.name] = config_of(getattr(parts, row.part), plain=row.stage != "expensive")
+            config[row.name] = config_of(parts.get(row.part), plain=row.stage != "expensive")
     where = f"run_dir={str(run_dir)!r}, " if run_dir is not None else ""
     return Record(config, name=Path(run_dir).name if run_dir else "looplib",
                   resume_hint=f"train_model(..., {where}resume='auto')")

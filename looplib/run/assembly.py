@@ -11,14 +11,14 @@ precision for the engine (once: nothing changes it later). ``build(parts, settin
 checks the data against the model and sets up, in the order the command line always used: the
 adapter, the precision's conversion, activation checkpointing, the engine's setup,
 ``batch_size=auto``, compile. ``looplib.run.training.train`` then trains what ``build``
-returns; ``looplib.run.lifecycle.execute`` owns the whole of a run's life around both.
+returns; ``looplib.run.session.Session`` owns the whole of a run's life around both.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,32 +32,58 @@ from .checkpoint_dir import config_text
 from .settings import Settings
 
 
+@dataclass
 class Parts:
-    """The objects of one job, one per config group (``looplib.groups.GROUPS``: ``model``, ``data``,
-    ``objective`` (group loss), ``precision``, ``optim``, ``schedule``, ``engine``, ``peft``, ``compile``,
-    ``evaluation``, ``checkpointing``, ``logger``). One left out is its group's null object, made
-    from the job's settings at ``check``. ``later``: builds parts only once the cheap checks have
-    passed (the command line's data and model: nothing is tokenised for a run that is refused)."""
+    """The objects of one job, one typed field per config group (``looplib.groups.GROUPS``; a test
+    holds the two equal: a group of one's own adds its row there and its field here). One left out
+    is its group's null object, made from the job's settings at ``check``. ``model`` and ``data``
+    may be a ``Recipe``: built by the session once every cheap check has passed (the command line's:
+    nothing is tokenised for a run that is refused)."""
+    model: Any = None                 # nn.Module (or its Recipe)
+    data: Any = None                  # looplib.data.Corpus (or its Recipe)
+    checkpointing: Any = None         # looplib.Checkpointing: activation memory
+    compile: Any = None               # looplib.Compile
+    objective: Any = None             # group ``loss``: any object with __call__(model, batch) and count(batch)
+    engine: Any = None                # looplib.Engine
+    precision: Any = None             # looplib.Precision
+    optim: Any = None                 # looplib.OptimizerFactory
+    schedule: Any = None              # looplib.Schedule
+    peft: Any = None                  # looplib.FullModel (LoRA, QLoRA)
+    evaluation: Any = None            # looplib.Evaluation
+    logger: Any = None                # looplib.loggers.Logger (several: Loggers)
+    more: dict[str, Any] = field(default_factory=dict)  # the groups appended to GROUPS at run time, by part
 
-    def __init__(self, later: Callable[[], dict[str, Any]] | None = None, **given: Any):
+    @classmethod
+    def of(cls, **given: Any) -> "Parts":
+        """The parts by their names: a field each, or a group appended to ``GROUPS`` (in ``more``)."""
         known = {g.part for g in groups()}
         unknown = sorted(set(given) - known)
         if unknown:
             raise TypeError(f"Parts() got {', '.join(unknown)}, which no config group holds "
                             f"(looplib.groups.GROUPS: {', '.join(sorted(known))})")
-        for row in groups():
-            setattr(self, row.part, given.get(row.part))
-        self.later = later or dict
+        typed = {f.name for f in fields(Parts)} - {"more"}
+        return cls(**{k: v for k, v in given.items() if k in typed},
+                   more={k: v for k, v in given.items() if k not in typed})
 
-    def build_later(self) -> None:
-        for part, value in self.later().items():
-            setattr(self, part, value)
+    def get(self, part: str) -> Any:
+        return getattr(self, part) if part in self.__dataclass_fields__ and part != "more" else self.more.get(part)
 
     def fill(self, settings: Settings) -> None:
         """Each part not given: its group's null object (the plain-PyTorch default)."""
         for row in groups():
-            if getattr(self, row.part, None) is None and row.null is not None:
-                setattr(self, row.part, row.null(settings))
+            if self.get(row.part) is None and row.null is not None:
+                if row.part in self.__dataclass_fields__:
+                    setattr(self, row.part, row.null(settings))
+                else:
+                    self.more[row.part] = row.null(settings)
+
+
+class Recipe:
+    """A part that is built only once every cheap check has passed (the command line's data and
+    model: ``looplib.cli.main.GroupRecipe``). ``build()`` returns the object."""
+
+    def build(self) -> Any:
+        raise NotImplementedError
 
 
 @dataclass
@@ -75,13 +101,28 @@ class Record:
         return config_text(self.config)
 
 
+@dataclass
 class Job(Parts):
     """A built run: the parts after ``build`` (model set up on the engine, adapters, compile),
     with the settings and the record."""
+    settings: Settings | None = None
+    record: Record | None = None
+    model_name: str = ""                              # the user's model, before anything wraps it
+    counts: tuple[int, int, int] | None = None        # parameters: every one, trained, in 4 bits
 
-    def __init__(self, parts: Parts, settings: Settings, record: Record):
-        vars(self).update(vars(parts))
-        self.settings, self.record = settings, record
+    @classmethod
+    def of(cls, parts: Parts, settings: Settings, record: Record) -> "Job":
+        return cls(**{f.name: getattr(parts, f.name) for f in fields(Parts)}, settings=settings, record=record)
+
+
+@dataclass
+class JobSpec:
+    """One job, typed: what the command line (``looplib.cli.main.job_spec``) and ``train_model`` each
+    build, and what ``looplib.run.session.Session`` runs."""
+    parts: Parts
+    settings: Settings
+    record: Record
+    init_from: str | None = None   # a finished run's weights, loaded into the model once it is built
 
 
 @dataclass
@@ -206,7 +247,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
         check_base(parts.model)
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
-    job = Job(parts, settings, record)
+    job = Job.of(parts, settings, record)
     job.model_name = name
     job.counts = parameter_counts(model)  # as the user's model defines them, before any engine shards it
     job.model = engine.setup(model)

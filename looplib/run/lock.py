@@ -10,12 +10,12 @@ process id, since when), exit status 2, having written nothing.
   a crashed run never leaves its directory held. The file stays behind only then; it holds no
   state (the next run locks it again and writes its own name into it).
 - One thread holds a directory once: ``hold`` is re-entrant within the thread that holds it (the
-  command line's Hydra callback takes it before Hydra writes ``.hydra/``, ``looplib.run.lifecycle.execute``
+  command line's Hydra callback takes it before Hydra writes ``.hydra/``, ``looplib.run.session.Session``
   again, for ``train_model``, a sweep's job and tune's candidates alike) and the last
   ``release`` removes the file and unlocks it. Another thread of the same process (two
   ``train_model`` calls at once) is refused like another process.
 - Several processes (torchrun): rank 0 holds the lock for every rank; the others learn the
-  outcome from it (``execute``: the engine's broadcast; the command line: the launch's board).
+  outcome from it (the session: the engine's broadcast; the command line: the launch's board).
 - The lock file is opened without following a link (``O_NOFOLLOW``; ``O_NONBLOCK``, so a FIFO
   does not block) and must be a regular file of its own (``fstat``): a symbolic link (dangling
   or not), a directory, a FIFO, a socket, a device or a second name of another file at that path

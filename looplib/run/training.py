@@ -1,6 +1,6 @@
 """Training a built job: loaders, optimizer, schedule, the engine's preparation, resume,
 telemetry and trackers, ``looplib.fit``, a last evaluation, the final checkpoint, the export
-and the end-of-run sample. ``looplib.run.lifecycle.execute`` calls it once the job is built.
+and the end-of-run sample. ``looplib.run.session.Session`` calls it once the job is built.
 """
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ def test_a_full_disk_is_named_with_the_io_status_in_the_token_cache_and_in_a_che
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30, 4096))
     with pytest.raises(SaveError) as raised:
         ckpt.save(TrainState(step=4))
-    from looplib.run.lifecycle import ending
+    from looplib.run.endings import ending
     from looplib.run.signals import Signals
     line = ending(raised.value, Signals(), None, tmp_path)
     assert raised.value.status == EXIT_IO and "is full (No space left on device)" in line, line
@@ -425,7 +425,7 @@ def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_checkpoint_stays(t
     import errno
 
     from looplib.errors import DiskFull, SaveError
-    from looplib.run.lifecycle import ending
+    from looplib.run.endings import ending
     root = tmp_path / "run" / "checkpoints"
     done = tmp_path / "done"
     ckpt = three_checkpoints(done / "checkpoints")  # a run with three complete checkpoints

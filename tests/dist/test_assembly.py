@@ -1,4 +1,4 @@
-"""One assembly: the command line's path (``looplib.cli.main.job_parts`` through the front door,
+"""One assembly: the command line's path (``looplib.cli.main.job_spec`` run by a ``looplib.run.session.Session``,
 what ``python -m looplib.train`` runs after Hydra composes) and ``train_model`` build and run the same job, for every engine; and
 ``train_model`` has the CLI's run directory, checkpoints, resume and signal handling."""
 import json

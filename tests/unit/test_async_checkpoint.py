@@ -123,7 +123,7 @@ def test_a_failed_background_write_stops_the_run_at_the_next_step_boundary(tmp_p
     """A full disk while the thread writes: nothing is lost silently. The next step boundary raises
     SaveError (74) naming the checkpoint and the disk; the last complete checkpoint stays, and
     the half-written one leaves nothing behind."""
-    from looplib.run.lifecycle import ending
+    from looplib.run.endings import ending
     from looplib.run.signals import Signals
     run = Run()
     run.train(1)

@@ -185,3 +185,29 @@ def test_the_import_walk_sees_relative_imports_inside_functions(tmp_path):
     known = {"looplib.engines.mod": path, "looplib.errors": path, "looplib.engines": path,
              "looplib.engines.optim": path, "looplib.loop": path}
     assert imports_of("looplib.engines.mod", path, known) == {"looplib.errors", "looplib.engines.optim"}
+
+
+STRATEGY_MODULES = ["checkpointing", "compile", "evaluation", "loss", "muon", "optim", "peft", "precision",
+                    "preference", "schedule"]
+
+
+def test_no_strategy_asks_isinstance_of_an_engine_or_a_bundled_model():
+    """A strategy reads what a model or an engine declares (``lora_targets``, ``weights_from``, an
+    engine's flags); an ``isinstance`` against ``looplib.engines`` or ``looplib.models`` would tie it
+    to one class of each (a subclass of one's own, or a wrapper, would be treated as a stranger)."""
+    for name in STRATEGY_MODULES:
+        path = PACKAGE / f"{name}.py"
+        tree = ast.parse(path.read_text())
+        tied = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.level and (node.module or "").split(".")[0] in ("engines", "models")
+                for alias in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                used = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                assert not used & tied, f"looplib/{name}.py:{node.lineno} asks isinstance of {sorted(used & tied)}"
+
+
+def test_the_bundled_gpt_declares_the_lora_targets_peft_names():
+    from looplib import GPT_LINEARS
+    from looplib.models.gpt import GPT
+    assert tuple(GPT.lora_targets) == tuple(GPT_LINEARS)

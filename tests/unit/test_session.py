@@ -1,0 +1,95 @@
+"""The session runs a typed job as named steps, in order, in-process: a fake engine records what
+each step asked of it, recipes record when they are built, and a refusal at the check builds
+nothing and leaves nothing behind."""
+from dataclasses import fields
+
+import pytest
+
+from conftest import random_tokens, tiny_gpt
+from looplib import groups
+from looplib.engines import Engine
+from looplib.errors import ConfigError
+from looplib.run.assembly import JobSpec, Parts, Recipe, Record
+from looplib.run.session import Session
+from looplib.run.settings import settings_from
+from looplib.run.signals import Signals
+from looplib.run.api import Datasets
+from looplib.schedule import WarmupCosine
+
+
+class Recording(Engine):
+    """The local engine, saying which of its verbs the session called, in order."""
+
+    def __init__(self, said: list):
+        super().__init__("cpu")
+        self.said = said
+
+    def agree(self, config):
+        self.said.append("agree")
+        return super().agree(config)
+
+    def shared_run_dir(self, run_dir):
+        self.said.append("claim")
+        return super().shared_run_dir(run_dir)
+
+    def setup(self, model):
+        self.said.append("setup")
+        return super().setup(model)
+
+    def close(self):
+        self.said.append("close")
+        return super().close()
+
+
+class Built(Recipe):
+    def __init__(self, said: list, name: str, make):
+        self.said, self.name, self.make = said, name, make
+
+    def build(self):
+        self.said.append(f"build {self.name}")
+        return self.make()
+
+
+def spec(said: list, **settings) -> JobSpec:
+    parts = Parts.of(model=Built(said, "model", tiny_gpt), data=Built(said, "data", lambda: Datasets(random_tokens(), None, None)),
+                     engine=Recording(said))
+    values = dict(device="cpu", max_steps=2, batch_size=4, log_every=1, eval_every=0, eval_samples=0, sample_tokens=0,
+                  progress="lines", checkpoint={"enabled": False})
+    return JobSpec(parts, settings_from({**values, **settings}), Record({"job": "session test"}))
+
+
+def test_the_parts_hold_one_typed_field_per_group_and_groups_of_ones_own_beside_them():
+    typed = {f.name for f in fields(Parts)} - {"more"}
+    assert typed == {row.part for row in groups.GROUPS}, "a group's row and its field of Parts go together"
+    with pytest.raises(TypeError, match="no config group holds"):
+        Parts.of(nothing=1)
+
+
+def test_a_session_checks_claims_builds_trains_and_closes_in_that_order(tmp_path):
+    said: list = []
+    with Session(tmp_path / "run", Signals(), fresh=True) as session:
+        trained = session.run(spec(said))
+    assert said == ["agree", "claim", "build data", "build model", "setup", "close"]
+    assert trained.state.step == 2 and (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_refusal_at_the_check_builds_nothing_and_leaves_no_directory(tmp_path):
+    said: list = []
+    job = spec(said, max_steps=3)
+    job.parts.schedule = WarmupCosine(warmup_steps=5)  # a warm-up longer than the run: refused at the check
+    with pytest.raises(ConfigError) as refused:
+        with Session(tmp_path / "run", Signals(), fresh=True) as session:
+            (tmp_path / "run").mkdir()  # as Hydra makes it before the job runs
+            session.run(job)
+    assert "warmup_steps" in refused.value.line and refused.value.status == 2
+    assert said == []  # no rank agreed to a job that failed its own check, nothing built
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refusal_while_the_caller_builds_its_job_is_said_and_cleaned_up_alike(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        with Session(tmp_path / "run", Signals(), fresh=True):
+            (tmp_path / "run").mkdir()
+            settings_from({"max_steps": -1})  # the caller's own check, inside the session
+    assert refused.value.line.startswith("looplib: error: max_steps")
+    assert not (tmp_path / "run").exists()
