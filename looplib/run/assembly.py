@@ -25,9 +25,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..groups import groups
-from ..loss import TokenCrossEntropy, refuse_unshifted
 from ..train_state import TrainState
-from . import autobatch
+from . import autobatch, rules
 from .checkpoint_dir import config_text
 from .settings import Settings
 
@@ -150,54 +149,6 @@ def refused(group: str, record: Record):
                           f"check the {group} settings") from None
 
 
-def check_sequences_fit(corpus: Any, model: Any) -> None:
-    """A training sample longer than the model's ``seq_len`` would fail in the first forward pass
-    (position embeddings run out): refuse it now. Models and data without these are not asked."""
-    limit = getattr(model, "seq_len", None)
-    try:
-        length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return
-    if isinstance(limit, int) and length > limit:
-        raise ConfigError("data.seq_len", f"the data's sequences hold {length} tokens, more than model.seq_len={limit}",
-                          "leave data.seq_len as ${model.seq_len}, or make model.seq_len at least as long")
-
-
-def check_labels(corpus: Any, objective: Any, samples: int = 8) -> None:
-    """Labels in the Hugging Face convention (unshifted) would train a copier: refused on the first
-    training samples, before anything is written (``looplib.loss.refuse_unshifted``; every batch is
-    checked again as it is counted). Data whose samples are not dicts of ids is not asked."""
-    if not isinstance(objective, TokenCrossEntropy):
-        return
-    try:
-        first = [corpus.train[i] for i in range(min(samples, len(corpus.train)))]
-    except (AttributeError, IndexError, KeyError, TypeError, NotImplementedError):
-        return
-    for sample in first:
-        if isinstance(sample, dict) and "labels" in sample and "input_ids" in sample:
-            try:
-                ids, labels = torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["labels"])
-            except (TypeError, ValueError, RuntimeError):
-                return
-            positions = sample.get("position_ids")
-            refuse_unshifted(ids, labels, objective.ignore_index,
-                             torch.as_tensor(positions) if positions is not None else None)
-
-
-def check_pairs(corpus: Any, objective: Any) -> None:
-    """A preference objective (``loss=dpo``) needs data of pairs, and pairs need such an objective:
-    any other would train on the rejected completions as on the chosen ones."""
-    wants, has = getattr(objective, "pairs", False), getattr(corpus, "pairs", False)
-    if wants and not has:
-        raise ConfigError("data", f"the loss ({type(objective).__name__}) trains on pairs of completions (chosen "
-                          f"and rejected), and the data ({type(corpus).__name__}) hold none",
-                          "use data=preference data.path=PAIRS.jsonl (records with prompt, chosen and rejected)")
-    if has and not wants:
-        raise ConfigError("loss", f"data=preference holds pairs, and the loss ({type(objective).__name__}) would "
-                          "train on the rejected completions as on the chosen ones",
-                          "use loss=dpo, loss=simpo or loss=orpo")
-
-
 def model_name(model: nn.Module) -> str:
     """The model as the user chose it: its class, and the transformers class inside looplib's
     wrapper (``CausalLM (LlamaForCausalLM)``)."""
@@ -207,27 +158,13 @@ def model_name(model: nn.Module) -> str:
 
 
 def check(parts: Parts, settings: Settings) -> None:
-    """The checks between strategies that need no data and no model (so bad input fails before a
-    tokenizer is trained or a model is built): the precision on the engine's device, chosen for
-    that engine (FSDP's sharded loss scaler, DeepSpeed's own scaling), the engine with the
-    precision and optimizer, the held-out evaluation, activation checkpointing with the engine and
-    compile mode, the adapter with the engine and precision."""
+    """The rules between strategies that need no data and no model (so bad input fails before a
+    tokenizer is trained or a model is built; ``looplib.run.rules``), once the absent parts are
+    their null objects and the precision is the one chosen for the engine (FSDP's sharded loss
+    scaler, DeepSpeed's own scaling: once, here; nothing replaces it later)."""
     parts.fill(settings)
-    engine = parts.engine
-    parts.precision = engine.precision_for(parts.precision)  # once, here: nothing replaces it later
-    engine.check(settings, parts.precision, parts.optim)
-    engine.check_evaluation(parts.evaluation)
-    parts.checkpointing.check(engine, parts.compile)  # offload: not under CUDA graphs
-    parts.compile.check_optimizer(parts.optim, engine.device)  # compile.optimizer=true: not fused kernels
-    if settings.batch_size != "auto":  # auto's accumulation is checked once chosen (build)
-        parts.compile.check_accumulation(settings.accum_steps)  # CUDA graphs: one backward per step
-    schedule_check = getattr(parts.schedule, "check", None)  # a warm-up as long as the run: refused
-    if schedule_check is not None:
-        schedule_check(settings.max_steps)
-    parts.peft.check(engine, parts.precision)  # QLoRA: an engine that keeps the 4-bit base, a compute dtype it takes
-    optim_check = getattr(parts.optim, "check", None)  # an optimizer may refuse an adapter (Muon: LoRA)
-    if optim_check is not None:
-        optim_check(engine, parts.peft)
+    parts.precision = parts.engine.precision_for(parts.precision)
+    rules.ask("parts", parts, settings)
 
 
 def build(parts: Parts, settings: Settings, record: Record) -> Job:
@@ -235,16 +172,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     ``batch_size=auto`` is resolved here: ``settings`` and ``record`` then hold the chosen
     micro-batch and accumulation."""
     engine = parts.engine
-    parts.compile.check(parts.data)  # CUDA graphs: fixed shapes only
-    check_data = getattr(parts.model, "check_data", None)  # a model may check the data (looplib.hf)
-    if check_data is not None:
-        check_data(parts.data)
-    check_sequences_fit(parts.data, parts.model)
-    check_pairs(parts.data, parts.objective)
-    check_labels(parts.data, parts.objective)
-    check_base = getattr(parts.peft, "check_base", None)  # LoRA on a model never trained: refused unless said
-    if check_base is not None:
-        check_base(parts.model)
+    rules.ask("built", parts, settings)  # the data against the model, the objective and the adapter
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job.of(parts, settings, record)
@@ -260,7 +188,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
         from ..plan import optimizer_state_bytes  # the planner only when asked
         settings.batch_size, settings.accum_steps = autobatch.resolve(job, optimizer_state_bytes(job, default=0))
         record.config.update(batch_size=settings.batch_size, accum_steps=settings.accum_steps)
-        job.compile.check_accumulation(settings.accum_steps)
+        rules.ask("chosen", job, settings)  # the rules on the micro-batch and accumulation, now chosen
     job.model = job.compile.wrap(job.model)  # compile last: it sees the final module
     job.objective = job.compile.wrap_loss(job.objective)  # compile.loss=true: forward + loss, one graph
     return job

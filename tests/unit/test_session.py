@@ -93,3 +93,23 @@ def test_a_refusal_while_the_caller_builds_its_job_is_said_and_cleaned_up_alike(
             settings_from({"max_steps": -1})  # the caller's own check, inside the session
     assert refused.value.line.startswith("looplib: error: max_steps")
     assert not (tmp_path / "run").exists()
+
+
+def test_docs_extending_holds_the_list_of_rules():
+    from conftest import REPO
+    from looplib.run import rules
+    assert rules.table() in (REPO / "docs" / "extending.md").read_text(), \
+        "regenerate: python -c 'from looplib.run import rules; print(rules.table())'"
+
+
+def test_every_rule_between_strategies_is_asked_from_the_one_list(monkeypatch):
+    """Taking a rule out of RULES takes it out of the run: the job it refused is then built."""
+    from looplib.run import rules
+    said: list = []
+    job = spec(said, max_steps=3)
+    job.parts.schedule = WarmupCosine(warmup_steps=5)
+    from looplib.run.assembly import check
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        check(job.parts, job.settings)
+    monkeypatch.setattr(rules, "RULES", [r for r in rules.RULES if "warm-up" not in r.name])
+    check(job.parts, job.settings)  # nothing else refuses it

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from looplib import optim as lo
-from looplib.run.assembly import check_sequences_fit
+from looplib.run.rules import check_sequences_fit
 from looplib.run.assembly import Record
 from looplib.run.assembly import refused as refused_while_building
 from looplib.data import Epochs, build_loader
