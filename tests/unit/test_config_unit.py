@@ -1,5 +1,4 @@
 """The config files read as text and the defaults' one source, without Hydra (the tests that compose: tests/cli/test_config.py)."""
-import tomllib
 from looplib import groups
 
 from conftest import REPO
@@ -23,14 +22,6 @@ def test_the_table_of_groups_is_conf_and_its_defaults_list():
     for g in groups.GROUPS:
         assert g.option is None or (CONF / g.name / f"{g.option}.yaml").is_file(), g
         assert (g.option is None) == (g.stage == "trackers"), g  # the trackers' group alone has no default file
-
-
-def test_every_conf_folder_is_packaged():
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    packages = set(pyproject["tool"]["setuptools"]["packages"])
-    for group in GROUPS:
-        assert f"looplib.conf.{group}" in packages, f"add looplib.conf.{group} to pyproject.toml"
-        assert (CONF / group / "__init__.py").exists()
 
 
 def test_conf_config_yaml_and_train_model_take_their_defaults_from_one_source():
