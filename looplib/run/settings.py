@@ -1,7 +1,7 @@
 """The job's top-level settings, typed: the command line's keys (conf/config.yaml) and
-``train_model``'s keyword arguments are the same fields, with the same defaults (this module is
-their one source: tests/cli/test_config.py holds conf/config.yaml and ``train_model``'s signature
-equal to it), checked by the same rules (``looplib.schema``: constructor annotations are the
+``train_model``'s keyword arguments are the same fields, with the same defaults (``Settings`` is
+their one source: one test, tests/unit/test_config_unit.py, holds conf/config.yaml,
+``train_model``'s signature and the docs' settings table equal to it), checked by the same rules (``looplib.schema``: constructor annotations are the
 schema). Imports neither Hydra nor OmegaConf.
 """
 from __future__ import annotations
