@@ -5,7 +5,9 @@ document each; JSON Lines, JSON (a list of objects), CSV/TSV and Parquet files h
 per line/element/row. The standard library's ``json`` and ``csv`` read the first three: they
 stream, know the line number of every record (so a bad line is reported as ``file:line``),
 and cost no dependency. Parquet has no reader in the standard library: ``pyarrow`` reads it,
-imported only when a ``.parquet`` file is read (``pip install 'looplib[parquet]'``).
+imported only when a ``.parquet`` file is read (``pip install 'looplib[parquet]'``). A directory
+that Hugging Face ``datasets`` wrote with ``save_to_disk`` is its Arrow files, in order, one
+record per row (``pyarrow`` again; ``pip install 'looplib[datasets]'``).
 
 Every problem is a ``ConfigError`` naming the file, the line (or byte offset) and the setting.
 """
@@ -21,7 +23,7 @@ from typing import Iterator
 from ..errors import ConfigError, need
 from .index import file_digests  # noqa: F401 - (read through an index of sizes and times)
 
-RECORDS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet"}
+RECORDS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".arrow"}
 CHUNK_BYTES = 1 << 20   # plain text is tokenised in pieces of at most this many bytes (``text_pieces``)
 SPACES = b" \t\r\x0b\x0c"   # where a line longer than CHUNK_BYTES is cut
 
@@ -37,6 +39,8 @@ def resolve_files(path: str | list[str] | None, key: str = "data.path") -> list[
         spec = str(Path(str(spec)).expanduser())
         if glob.has_magic(spec):
             found = [Path(p) for p in sorted(glob.glob(spec, recursive=True)) if Path(p).is_file()]
+        elif Path(spec).is_dir() and saved_dataset(Path(spec), key) is not None:
+            found = saved_dataset(Path(spec), key)
         elif Path(spec).is_dir():
             root = Path(spec)
             found = [p for p in sorted(root.rglob("*")) if p.is_file()
@@ -53,6 +57,35 @@ def resolve_files(path: str | list[str] | None, key: str = "data.path") -> list[
             raise ConfigError(key, f"{spec} matches no files", f"give a file, a directory holding files, or a glob in {key}")
         files.extend(found)
     return list(dict.fromkeys(p.resolve() for p in files))
+
+
+def saved_dataset(root: Path, key: str) -> list[Path] | None:
+    """The Arrow files of a Hugging Face ``datasets`` directory written by ``save_to_disk`` (its
+    ``state.json`` lists them, in the dataset's order), or None for any other directory. A saved
+    ``DatasetDict`` (``dataset_dict.json``: one folder per split) is refused naming its splits:
+    reading every split would train on the held-out ones."""
+    if (root / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        except (OSError, ValueError, AttributeError):
+            splits = []
+        names = ", ".join(map(str, splits)) or "its splits"
+        first = splits[0] if splits else "train"
+        raise ConfigError(key, f"{root} is a saved DatasetDict of several splits ({names}), not one dataset",
+                          f"give one split's folder: {key}={root / str(first)} (and data.eval_path=... for a held-out one)")
+    state = root / "state.json"
+    if not (state.is_file() and (root / "dataset_info.json").is_file()):
+        return None
+    try:
+        listed = [root / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(key, f"{state} is not the state file of a saved dataset ({type(err).__name__}: {err})",
+                          "save the dataset again (Dataset.save_to_disk)") from None
+    missing = [p.name for p in listed if not p.is_file()]
+    if missing or not listed:
+        raise ConfigError(key, f"{root} is a saved dataset whose files are missing ({', '.join(missing) or 'none listed'})",
+                          "save the dataset again (Dataset.save_to_disk)")
+    return listed
 
 
 def not_a_file(path: Path) -> str | None:
@@ -174,6 +207,8 @@ def records(path: Path, errors: str = "strict") -> Iterator[tuple[str, dict]]:
         yield from csv_records(path, errors, "\t" if suffix == ".tsv" else ",")
     elif suffix == ".parquet":
         yield from parquet_records(path)
+    elif suffix == ".arrow":
+        yield from arrow_records(path)
     else:
         raise ConfigError("data.path", f"{path} is plain text, not records", "give JSONL, JSON, CSV or Parquet files")
 
@@ -235,6 +270,31 @@ def parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
                 row += 1
     except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
         raise ConfigError("data.path", f"{path} is not a readable Parquet file ({err})", "fix the file") from None
+
+
+def arrow_batches(path: Path, key: str = "data.path"):
+    """The record batches of an Arrow file as ``datasets`` writes them (the IPC stream format; the
+    file format too), read with ``pyarrow`` (``pip install 'looplib[datasets]'``) as they stream."""
+    pa = need("pyarrow", "datasets", key, f"{path} is an Arrow file of a saved dataset; reading it")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+        reader = pa.ipc.open_file(path) if magic == b"ARROW1" else pa.ipc.open_stream(path)
+        if hasattr(reader, "num_record_batches") and magic == b"ARROW1":
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+        else:
+            yield from reader
+    except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
+        raise ConfigError(key, f"{path} is not a readable Arrow file ({err})", "save the dataset again") from None
+
+
+def arrow_records(path: Path) -> Iterator[tuple[str, dict]]:
+    row = 0
+    for batch in arrow_batches(path):
+        for record in batch.to_pylist():
+            yield f"{path} row {row}", record
+            row += 1
 
 
 def check_object(record, where: str) -> tuple[str, dict]:

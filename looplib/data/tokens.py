@@ -6,7 +6,9 @@ Two layouts are read, told apart by their first four bytes:
   number 20240520, the version (1: the ids are uint16; 2: uint32) and the number of ids, then the
   ids (the layout of llm.c's data scripts);
 - anything else: the file is nothing but ids, uint16 (``dtype=uint16``, the layout nanoGPT's
-  ``prepare.py`` writes) or uint32 (``dtype=uint32``).
+  ``prepare.py`` writes) or uint32 (``dtype=uint32``);
+- a Hugging Face ``datasets`` directory written by ``save_to_disk`` (its Arrow files): each row of
+  ``column`` (default ``input_ids``), a list of ids, is one document.
 
 The files (one, a directory, a glob or a list, in the order given) are copied once into the
 token cache of ``cache.py`` (``tokens-KEY/``: checked, memory-mapped, built by one process per
@@ -29,15 +31,19 @@ from .corpus import Corpus
 from .files import EvalFraction, describe_files, split_documents
 from .index import file_digests
 from .packing import TokenWindows
-from .readers import resolve_files
+from .readers import arrow_batches, resolve_files
 
 MAGIC, HEADER_INTS = 20240520, 256
 VERSIONS = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 COPY_IDS = 16 << 20   # ids copied at once (64 MB of uint32 at most)
+ROWS = -1             # layout()'s offset for an Arrow file of a saved dataset: a document per row
 
 
-def layout(path: Path, dtype: str, key: str) -> tuple[int, np.dtype, int]:
-    """``(offset, dtype, count)`` of the ids in ``path``; a file that is neither layout is refused."""
+def layout(path: Path, dtype: str, key: str, column: str = "input_ids") -> tuple[int, np.dtype, int]:
+    """``(offset, dtype, count)`` of the ids in ``path``; a file that is neither layout is refused.
+    An Arrow file of a saved dataset: offset ``ROWS`` (a document per row of ``column``)."""
+    if path.suffix.lower() == ".arrow":
+        return ROWS, np.dtype("<i8"), sum(len(ids) for ids in arrow_documents(path, column, key))
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = np.frombuffer(fh.read(12).ljust(12, b"\0"), "<i4")
@@ -58,26 +64,47 @@ def layout(path: Path, dtype: str, key: str) -> tuple[int, np.dtype, int]:
     return 0, kind, size // kind.itemsize
 
 
+def arrow_documents(path: Path, column: str, key: str):
+    """The rows of ``column`` (lists of ids) in an Arrow file of a saved dataset, batch by batch,
+    as numpy arrays: one document each."""
+    for batch in arrow_batches(path, key):
+        if column not in batch.schema.names:
+            raise ConfigError("data.column", f"{path} has no column {column!r} (columns: "
+                              f"{', '.join(batch.schema.names) or 'none'})",
+                              "set data.column=NAME to the column of token ids, or read text with data=text "
+                              "data.field=NAME")
+        values = batch.column(column)
+        try:
+            flat = values.flatten().to_numpy(zero_copy_only=False)
+        except (AttributeError, TypeError, ValueError):
+            raise ConfigError("data.column", f"{path}'s column {column!r} holds {values.type}, not lists of token ids",
+                              "give the column of token ids (data.column=...), or read text with data=text") from None
+        offsets = values.offsets.to_numpy(zero_copy_only=False)
+        for i in range(len(values)):
+            yield flat[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]
+
+
 class TokenCorpus(Corpus):
     """``data=tokens``: files of token ids (see the module's docstring)."""
 
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], vocab_size: Positive[int] = 50257,
                  eos_id: int | None = 50256, eval_path: str | list[str] | None = None,
                  eval_fraction: EvalFraction = 0.05, seed: Seed = 0, dtype: Literal["uint16", "uint32"] = "uint16",
-                 block_tokens: Positive[int] = 1 << 16):
+                 block_tokens: Positive[int] = 1 << 16, column: str = "input_ids"):
         if eos_id is not None and not 0 <= eos_id < vocab_size:
             raise ConfigError("data.eos_id", f"data.eos_id={eos_id} is not an id of a {vocab_size}-token vocabulary",
                               "give the end-of-text id of the tokenizer the files were made with, or data.eos_id=null")
         self.seq_len, self.vocab_size, self.eos_id, self.pad_id = seq_len, vocab_size, eos_id, eos_id
-        self.block, self.dtype = block_tokens, dtype
+        self.block, self.dtype, self.column = block_tokens, dtype, column
         files = resolve_files(path, "data.path")
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
-        layouts = {key: [layout(f, dtype, key) for f in fs] for key, fs in (("data.path", files),
+        layouts = {key: [layout(f, dtype, key, column) for f in fs] for key, fs in (("data.path", files),
                                                                            ("data.eval_path", eval_files))}
         for key, fs in (("data.path", files), ("data.eval_path", eval_files)):
             if fs and not any(n for *_, n in layouts[key]):
                 raise ConfigError(key, f"{describe_files(fs)} holds no token ids", "give files with ids in them")
-        settings = {"vocab_size": vocab_size, "eos_id": eos_id, "dtype": dtype, "block": block_tokens}
+        settings = {"vocab_size": vocab_size, "eos_id": eos_id, "dtype": dtype, "block": block_tokens,
+                    **({"column": column} if any(f.suffix.lower() == ".arrow" for f in files + eval_files) else {})}
         hashed, in_train = list(dict.fromkeys(files + eval_files)), set(files)
         at = {f: i for i, f in enumerate(hashed)}
 
@@ -112,6 +139,13 @@ class TokenCorpus(Corpus):
     def fingerprint(self) -> dict:
         return self.identity
 
+    def in_vocabulary(self, ids: np.ndarray, f: Path) -> None:
+        if len(ids) and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise ConfigError("data.vocab_size", f"{f} holds id {bad}, outside a vocabulary of "
+                              f"data.vocab_size={self.vocab_size}",
+                              "set data.vocab_size to the size of the tokenizer the ids were made with")
+
     def encode(self, text: str) -> list[int]:
         """Ids written as numbers (no tokenizer comes with them: a sample is shown as ids, ``decode``)."""
         return [int(t) for t in text.split()]
@@ -122,6 +156,11 @@ class TokenCorpus(Corpus):
 
         def fill(writer):
             for f, (offset, kind, count) in zip(files, layouts):
+                if offset == ROWS:  # a saved dataset: each row of the column one document
+                    for document in arrow_documents(f, self.column, key):
+                        self.in_vocabulary(document, f)
+                        writer.extend(document, np.array([len(document)]))
+                    continue
                 ids = np.memmap(f, kind, "r", offset, (count,)) if count else np.zeros(0, kind)
                 since = 0   # ids of the current document so far (no end-of-text id: cut every `block`)
                 for start in range(0, count, COPY_IDS):

@@ -1,5 +1,6 @@
 """Data at the scale users bring: refusals before the tokenizer trains, memory and time that do not
 grow with the length of a line, one build per cache entry, tokens brought ready-made."""
+import json
 import os
 import subprocess
 import sys
@@ -376,3 +377,49 @@ def test_a_refusal_while_the_data_is_built_reaches_the_waiting_rank(tmp_path):
     assert others and all("refused the job" in line or line == errors[0][1] for line in others), out
     assert "Traceback" not in "\n".join(re.findall(r"^\[default\d\]:.*$", out, re.M)), out  # (torchrun's own has one)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokenizer-")]
+
+
+def test_a_saved_datasets_directory_reads_as_the_same_text_and_ids(tmp_path):
+    """A Hugging Face ``datasets`` directory written by ``save_to_disk`` (two Arrow files): its
+    ``text`` column through data=text gives the batches the same records give as JSON Lines, and its
+    ``input_ids`` column through data=tokens the batches the same ids give as a raw .bin, bit for
+    bit; a saved DatasetDict and a missing column are refused in one line."""
+    datasets = pytest.importorskip("datasets")
+    import random
+    import numpy as np
+    import torch
+    from looplib.data import TokenCorpus
+
+    rng = random.Random(1)
+    words = [f"w{i}" for i in range(300)]
+    tok, tok_file = word_level(tmp_path, words)
+    eos = tok.token_to_id("<|endoftext|>")
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 50))) for _ in range(30)]
+    ids = [tok.encode(d).ids + [eos] for d in docs]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": docs, "input_ids": ids}).save_to_disk(str(saved), num_shards=2)
+    assert len(list(saved.glob("*.arrow"))) == 2
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    np.array([i for doc in ids for i in doc], "<u2").tofile(tmp_path / "raw.bin")
+    common = dict(seq_len=16, eval_fraction=0.2, seed=3)
+    pairs = [(TextCorpus(str(tmp_path / "docs.jsonl"), tokenizer=str(tok_file), vocab_size=tok.get_vocab_size(), **common),
+              TextCorpus(str(saved), tokenizer=str(tok_file), vocab_size=tok.get_vocab_size(), **common)),
+             (TokenCorpus(str(tmp_path / "raw.bin"), vocab_size=tok.get_vocab_size(), eos_id=eos, **common),
+              TokenCorpus(str(saved), vocab_size=tok.get_vocab_size(), eos_id=eos, **common))]
+    for want, got in pairs:
+        assert np.array_equal(want.eval_docs, got.eval_docs) and len(want.train) == len(got.train) > 0
+        for split in ("train", "eval"):
+            a, b = getattr(want, split), getattr(got, split)
+            assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(len(a))), (type(got), split)
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:20]}),
+                                   "test": datasets.Dataset.from_dict({"text": docs[20:]})})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    cases = [(lambda: TextCorpus(str(tmp_path / "dict"), tokenizer=str(tok_file), **common),
+              "is a saved DatasetDict of several splits (train, test), not one dataset; give one split's folder: "
+              f"data.path={tmp_path / 'dict' / 'train'}"),
+             (lambda: TokenCorpus(str(saved), vocab_size=tok.get_vocab_size(), eos_id=eos, column="ids", **common),
+              "has no column 'ids' (columns: text, input_ids)")]
+    for make, message in cases:
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
