@@ -80,7 +80,7 @@ def test_a_users_precision_that_deepspeed_would_bypass_is_refused(tmp_path):
     DeepSpeed's bf16 and exited 0. Now one line naming the class and the verb, exit 2, nothing
     written; looplib's own precisions and a subclass that overrides none of the verbs still pass."""
     from my_research import BF16FP32Norms
-    from looplib.engines.deepspeed_adapters import DeepSpeedPrecision, bypassed_overrides
+    from looplib.engines.deepspeed.precision import DeepSpeedPrecision, bypassed_overrides
     from looplib.precision import BF16
 
     class Renamed(BF16):  # a new name and settings only: nothing DeepSpeed would bypass

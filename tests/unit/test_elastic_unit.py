@@ -83,7 +83,7 @@ def test_deepspeeds_zero3_universal_load_slips_are_put_right():
     """DeepSpeed 0.19.8's ZeRO-3 universal load gives every group the first group's
     hyperparameters and one step tensor to every partition (Adam then counts it up once per
     partition): each group gets its own back, each state its own step."""
-    from looplib.engines.deepspeed_universal import fix_universal_groups
+    from looplib.engines.deepspeed.universal import fix_universal_groups
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}], lr=1.0)
     built = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

@@ -27,7 +27,7 @@ DeepSpeed's Muon is not torch's, so looplib maps what it can and refuses the res
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 # what DeepSpeed 0.19.8's Muon fixes (deepspeed/runtime/zero/muon/original_muon.py)
 FIXED = {"nesterov": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7,

@@ -1,17 +1,14 @@
-"""What the loop sees under DeepSpeed: a precision whose verbs call the ``DeepSpeedEngine`` and an
-optimizer whose step hooks fire once per applied DeepSpeed step."""
+"""The precision the loop sees under DeepSpeed: before ``prepare`` the chosen precision's verbs, after it
+the ``DeepSpeedEngine``'s, which ``attach`` hands over; and the refusal of a user's precision whose verbs
+DeepSpeed would bypass."""
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
-from ..precision import Precision
-
-if TYPE_CHECKING:
-    from .deepspeed import DeepSpeed
+from ...errors import ConfigError
+from ...precision import Precision
 
 
 class DeepSpeedPrecision(Precision):
@@ -19,25 +16,33 @@ class DeepSpeedPrecision(Precision):
     DeepSpeed scales, unscales, clips and steps, with the dtype and loss-scale settings of the
     precision the job chose (``chosen``), which DeepSpeed's config is derived from.
 
-    The model is already in DeepSpeed's 16-bit format (bf16/fp16 sections), so no autocast;
-    the loss arrives divided by the window's items and is not divided again. Before ``prepare``
-    (``batch_size=auto``'s probe of the plain model) every verb is the chosen precision's."""
+    Until ``attach`` hands it the ``DeepSpeedEngine`` (``DeepSpeed.prepare`` does, once) every verb
+    is the chosen precision's (``batch_size=auto``'s probe of the plain model). From then on the
+    model is in DeepSpeed's 16-bit format (bf16/fp16 sections), so no autocast, and the loss
+    arrives divided by the window's items and is not divided again."""
 
     # the verbs DeepSpeed performs itself once prepared: a precision of the user's own that overrides one of
     # them would never be called, and the run would train at DeepSpeed's precision and exit 0
     BYPASSED = ("convert", "autocast", "backward", "unscale", "step", "skips_on", "stepped")
 
-    def __init__(self, engine: "DeepSpeed", chosen: Precision):
+    def __init__(self, chosen: Precision):
         overridden = bypassed_overrides(type(chosen), self.BYPASSED)
         if overridden:
             raise ConfigError("precision._target_", f"{type(chosen).__module__}.{type(chosen).__qualname__} overrides "
                               f"{', '.join(overridden)}, which +engine=deepspeed never calls (DeepSpeed casts, scales "
                               "and steps itself)", "use +precision=fp32, fp16 or bf16 with +engine=deepspeed, or "
                               "+engine=ddp / fsdp for a precision of your own")
-        self.engine, self.chosen = engine, chosen
+        self.chosen = chosen
         self.name = f"{getattr(chosen, 'name', 'custom')} (DeepSpeed)"
         self.dtype, self.device = chosen.dtype, getattr(chosen, "device", None)
         self.scaler_args = dict(getattr(chosen, "scaler_args", {}))
+        self.ds = None       # the DeepSpeedEngine, from attach
+        self.steps = None    # the optimizer as the loop sees it (StepHooks), from attach
+
+    def attach(self, ds, steps) -> None:
+        """From here on DeepSpeed's verbs: ``ds`` (the ``DeepSpeedEngine``) backs, steps and
+        zeroes; ``steps`` (the loop's optimizer) fires its hooks once per applied step."""
+        self.ds, self.steps = ds, steps
 
     def setup(self, device) -> None:
         pass  # the chosen precision was set up by precision_for
@@ -46,54 +51,31 @@ class DeepSpeedPrecision(Precision):
         self.chosen.close()
 
     def autocast(self):
-        return nullcontext() if self.engine.ds is not None else self.chosen.autocast()
+        return self.chosen.autocast() if self.ds is None else nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.engine.ds is None:
+        if self.ds is None:
             return self.chosen.backward(loss)
-        self.engine.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
+        self.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: no hidden step
 
     def unscale(self, optimizer) -> None:
-        if self.engine.ds is None:
+        if self.ds is None:
             self.chosen.unscale(optimizer)
 
     def step(self, optimizer, grad_norm=None):
-        if self.engine.ds is None:
+        if self.ds is None:
             return self.chosen.step(optimizer, grad_norm)
-        self.engine.ds.step()                        # reduce, unscale, clip, update, zero
-        if self.engine.ds.was_step_applied():        # an fp16 overflow skips the update
-            self.engine.steps.stepped()
+        self.ds.step()                        # reduce, unscale, clip, update, zero
+        if self.ds.was_step_applied():        # an fp16 overflow skips the update
+            self.steps.stepped()
         return None
 
     def state_dict(self) -> dict:
-        return self.chosen.state_dict() if self.engine.ds is None else {}
+        return self.chosen.state_dict() if self.ds is None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.engine.ds is None:
+        if self.ds is None:
             self.chosen.load_state_dict(state)
-
-
-class StepHooks:
-    """The optimizer as the loop sees it under DeepSpeed. ZeRO wraps the real optimizer and
-    fires its hooks more than once per update, so step hooks (the telemetry's count of real
-    updates) fire here, once per applied DeepSpeed step. Gradients are zeroed by DeepSpeed."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer, self.hooks = optimizer, []
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def register_step_post_hook(self, hook):
-        self.hooks.append(hook)
-
-    def stepped(self) -> None:
-        for hook in self.hooks:
-            hook(self, (), {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # DeepSpeedEngine.step() already did
 
 
 def bypassed_overrides(cls: type, verbs: tuple[str, ...]) -> list[str]:

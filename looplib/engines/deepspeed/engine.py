@@ -1,99 +1,32 @@
-"""DeepSpeed ZeRO behind looplib's verbs: the loop stays the same loop.
-
-    deepspeed --num_gpus 4 --module looplib.train +engine=deepspeed engine.stage=3
-    torchrun --nproc_per_node 4 -m looplib.train +engine=deepspeed engine.offload_optimizer=cpu +optim=cpu_adam
-
-One source of truth: DeepSpeed's JSON config is *derived* from looplib's settings (batch_size,
-accum_steps, max_grad_norm, the precision and optim groups) plus the engine's own keys (ZeRO
-stage, offload), and printed. ``engine.config`` passes any further raw DeepSpeed keys; a raw
-key that would contradict a looplib setting is refused with the setting to use instead.
-
-Who does what:
-- the loop decides the accumulation boundary: DeepSpeed runs with
-  ``managed_gradient_accumulation: false``, so ``backward()`` only accumulates and each
-  ``step()`` (called by the loop once per window) reduces and updates. ``backward()`` never
-  hides a step;
-- the loop divides each micro-batch's summed loss by the window's item count (over ranks), and
-  DeepSpeed does not divide again (``backward(loss, scale_wrt_gas=False)``);
-- DeepSpeed owns loss scaling (its fp16 section, mapped from the fp16 precision's scaler
-  settings), unscaling, clipping (``gradient_clipping``, which defaults to 1.0 in DeepSpeed if
-  not set) and the optimizer step: the loop's ``precision`` and ``optimizer`` here are
-  adapters whose verbs call the ``DeepSpeedEngine``;
-- the learning-rate schedule stays looplib's, stepped by the loop once per window.
-
-deepspeed is imported only when this engine is chosen.
-"""
+"""The ``DeepSpeed`` engine: build-time checks, the derived config, ``deepspeed.initialize``, and
+DeepSpeed's own checkpoints (the package's docstring says who does what)."""
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError, need
-from ..optim import BETAS, EPS, LR, WEIGHT_DECAY, OptimizerFactory, built_class
-from ..precision import Precision
-from ..schema import Beta, NonNegative, Positive
-from ..muon import MuonAdamW
-from . import deepspeed_muon, launch
-from .deepspeed_adapters import DeepSpeedPrecision, StepHooks
-from .deepspeed_universal import fix_universal_groups, universal
-from .distributed import Distributed, class_name
-from .local import Prepared
+from ...errors import ConfigError
+from ...muon import MuonAdamW
+from ...optim import built_class
+from ...precision import Precision
+from ...schema import Positive
+from .. import launch
+from ..distributed import Distributed, class_name
+from ..local import Prepared
+from . import muon as ds_muon
+from .config import DERIVED, OFFLOAD_DEVICES, Offload, import_deepspeed, lookup, merge, precision_sections
+from .optim import CPUAdam, StepHooks
+from .precision import DeepSpeedPrecision
+from .universal import fix_universal_groups, universal
 
 log = logging.getLogger("looplib")
-
-Offload = Literal["none", "cpu", "nvme"]
-OFFLOAD_DEVICES = get_args(Offload)
-
-# Raw DeepSpeed keys that looplib derives: setting them in engine.config would make two
-# sources of truth, so they are refused with the looplib setting to use instead.
-DERIVED = {
-    "train_micro_batch_size_per_gpu": "batch_size (the micro-batch per process)",
-    "train_batch_size": "batch_size and accum_steps (global batch = batch_size x accum_steps x processes)",
-    "gradient_accumulation_steps": "accum_steps",
-    "gradient_clipping": "max_grad_norm",
-    "managed_gradient_accumulation": "nothing: the loop owns the accumulation boundary",
-    "optimizer": "+optim=... (e.g. +optim=cpu_adam for DeepSpeed's CPU Adam)",
-    "scheduler": "+schedule=...",
-    "amp": "+precision=...",
-    "zero_optimization.stage": "engine.stage",
-    "zero_optimization.offload_optimizer.device": "engine.offload_optimizer",
-    "zero_optimization.offload_param.device": "engine.offload_params",
-}
-
-
-def import_deepspeed():
-    deepspeed = need("deepspeed", "deepspeed", "engine", "+engine=deepspeed",
-                     "DS_BUILD_OPS=0 pip install deepspeed (builds no kernels ahead of time)")
-    from packaging.version import Version
-    if Version(deepspeed.__version__).release < (0, 19, 4):
-        raise ConfigError("engine", f"deepspeed {deepspeed.__version__} cannot leave the accumulation boundary "
-                          "to the loop (managed_gradient_accumulation arrived in 0.19.4)",
-                          "pip install 'deepspeed>=0.19.4'")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the loop's
-    return deepspeed
-
-
-def lookup(cfg: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(cfg, dict) or part not in cfg:
-            return None
-        cfg = cfg[part]
-    return cfg
-
-
-def merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 class DeepSpeed(Distributed):
@@ -123,7 +56,7 @@ class DeepSpeed(Distributed):
         self.derived: dict = {}
         self._universal = False   # resume through a universal checkpoint (another number of processes)
         self._scratch = None      # where it is made (resuming)
-        self.muon = False         # +optim=muon: DeepSpeed's own Muon (deepspeed_muon)
+        self.muon = False         # +optim=muon: DeepSpeed's own Muon (ds_muon)
 
     # ---------------------------------------------------------------- build-time checks
 
@@ -168,7 +101,7 @@ class DeepSpeed(Distributed):
             raise ConfigError("engine.config", "fp16 and bf16 are both enabled",
                               "choose one precision with +precision=fp16 or +precision=bf16 and drop "
                               "engine.config.fp16/bf16.enabled")
-        wanted = [k for k in ("fp16", "bf16") if k in self.precision_sections(precision)]
+        wanted = [k for k in ("fp16", "bf16") if k in precision_sections(precision)]
         if enabled != wanted:
             raise ConfigError("engine.config", f"engine.config enables {enabled[0]} but the precision is "
                               f"{getattr(precision, 'name', type(precision).__name__)}",
@@ -176,8 +109,8 @@ class DeepSpeed(Distributed):
         if "fp16" in enabled and not accelerator.is_fp16_supported():
             raise ConfigError("precision", f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16",
                               "use +precision=bf16 or +precision=fp32")
-        if getattr(optim, "gathers_matrices", False):  # +optim=muon: DeepSpeed's own Muon (deepspeed_muon)
-            deepspeed_muon.check(optim, self, settings)
+        if getattr(optim, "gathers_matrices", False):  # +optim=muon: DeepSpeed's own Muon (ds_muon)
+            ds_muon.check(optim, self, settings)
         elif optim is not None:  # a factory: the class it builds says where it runs
             built = CPUAdam.CLASS if isinstance(optim, CPUAdam) else class_name(built_class(optim))
             self._check_optimizer(built)
@@ -202,28 +135,6 @@ class DeepSpeed(Distributed):
 
     # ---------------------------------------------------------------- the derived config
 
-    @staticmethod
-    def precision_sections(precision) -> dict:
-        """bf16/fp16 sections from the precision strategy (by its dtype, so subclasses map too)."""
-        dtype = precision.dtype
-        if dtype == torch.bfloat16:
-            return {"bf16": {"enabled": True}}
-        if dtype != torch.float16:
-            return {}  # fp32, tf32: no section, fp32 weights
-        args = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-                **getattr(precision, "scaler_args", {})}
-        power = math.log2(args["init_scale"])
-        if args["growth_factor"] != 2.0 or args["backoff_factor"] != 0.5 or power != int(power):
-            raise ConfigError("precision", f"DeepSpeed's loss scaler doubles and halves a power of two, not "
-                              f"init_scale={args['init_scale']} growth_factor={args['growth_factor']} "
-                              f"backoff_factor={args['backoff_factor']}",
-                              "use precision.init_scale=65536 growth_factor=2 backoff_factor=0.5 under DeepSpeed")
-        return {"fp16": {"enabled": True, "loss_scale": 0,            # 0: dynamic
-                         "initial_scale_power": int(power),
-                         "loss_scale_window": args["growth_interval"],
-                         "hysteresis": 1,                           # back off on every overflow, as GradScaler
-                         "min_loss_scale": 1}}
-
     def derive(self, settings, precision, world_size: int = 1) -> dict:
         zero: dict[str, Any] = {"stage": self.stage}
         for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_params)):
@@ -239,7 +150,7 @@ class DeepSpeed(Distributed):
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,          # the optimizer is built by looplib's optim group
             "steps_per_print": 2**31 - 1,                   # looplib's telemetry reports progress
-            **self.precision_sections(precision),
+            **precision_sections(precision),
             **({"checkpoint": {"load_universal": True}} if self._universal else {}),
         }
         return merge(derived, self.raw)
@@ -254,7 +165,7 @@ class DeepSpeed(Distributed):
         """DeepSpeed scales, unscales, clips and steps: the loop's precision hands its verbs to the
         ``DeepSpeedEngine`` (``prepare`` makes it), from the chosen one's dtype and scaler settings."""
         if not isinstance(precision, DeepSpeedPrecision):
-            self.chosen = DeepSpeedPrecision(self, super().precision_for(precision))
+            self.chosen = DeepSpeedPrecision(super().precision_for(precision))
         return self.chosen
 
     def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
@@ -268,15 +179,16 @@ class DeepSpeed(Distributed):
         self.muon = isinstance(optimizer, MuonAdamW)  # DeepSpeed builds its own Muon from looplib's groups
         given = {"optimizer": optimizer}
         if self.muon:
-            config["optimizer"], groups = deepspeed_muon.prepare(model, optimizer)
+            config["optimizer"], groups = ds_muon.prepare(model, optimizer)
             if self.stage == 3:  # ZeRO-3's Muon orthogonalises whole matrices: all-reduce, not reduce-scatter
                 config["zero_optimization"]["reduce_scatter"] = False
             given = {"model_parameters": groups}
         log.info("DeepSpeed config derived from looplib's settings:\n%s", json.dumps(config, indent=2))
         self.ds, built, _, _ = deepspeed.initialize(model=model, config=config, **given)
         if self.muon:
-            deepspeed_muon.adopt(optimizer, built)
+            ds_muon.adopt(optimizer, built)
         self.steps = StepHooks(optimizer)
+        self.chosen.attach(self.ds, self.steps)  # from here on the loop's precision calls DeepSpeed's verbs
         return Prepared(self.ds, self.steps, None)
 
     def accumulating(self, model, last: bool):
@@ -344,23 +256,6 @@ class DeepSpeed(Distributed):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         if self.muon:  # the load replaced DeepSpeed's param groups: the schedule must set the new ones
-            deepspeed_muon.adopt(self.steps.optimizer, self.ds.optimizer)
+            ds_muon.adopt(self.steps.optimizer, self.ds.optimizer)
         return client_state
-
-
-class CPUAdam(OptimizerFactory):
-    """DeepSpeed's CPU Adam(W) (``deepspeed.ops.adam.DeepSpeedCPUAdam``): the optimizer that
-    ZeRO-Offload runs on the CPU. Its kernel is compiled on first use (needs a C++ compiler)."""
-
-    CLASS = "deepspeed.ops.adam.DeepSpeedCPUAdam"  # what it builds, known without compiling the kernel
-
-    def __init__(self, lr: Positive[float] = LR, weight_decay: NonNegative[float] = WEIGHT_DECAY,
-                 betas: tuple[Beta, Beta] = BETAS, eps: Positive[float] = EPS, adamw_mode: bool = True):
-        super().__init__(lr, weight_decay)
-        self.betas, self.eps, self.adamw_mode = tuple(betas), eps, adamw_mode
-
-    def create(self, groups):
-        import_deepspeed()
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam(groups, lr=self.lr, betas=self.betas, eps=self.eps, adamw_mode=self.adamw_mode)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import launch
+from .. import launch
 
 log = logging.getLogger("looplib")
 
