@@ -201,6 +201,9 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     check_sequences_fit(parts.data, parts.model)
     check_pairs(parts.data, parts.objective)
     check_labels(parts.data, parts.objective)
+    check_objective = getattr(parts.objective, "check_data", None)  # e.g. loss=distill: its teacher's vocabulary
+    if check_objective is not None:
+        check_objective(parts.data, parts.model, engine)
     check_base = getattr(parts.peft, "check_base", None)  # LoRA on a model never trained: refused unless said
     if check_base is not None:
         check_base(parts.model)
