@@ -45,7 +45,8 @@ from .schema import Fraction, Positive
 log = logging.getLogger("looplib")
 KEY = "loss.teacher"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-METRICS = ("loss_ce", "loss_distill")
+TOKENS = ("data.tokenizer=TEACHER_DIR (a transformers directory) or the teacher run's "
+          "checkpoints/step-N/tokenizer.json, or the teacher run's own data settings")
 
 
 class Distill(TokenCrossEntropy):
@@ -89,6 +90,7 @@ class Distill(TokenCrossEntropy):
         refuse_sharding(engine)
         teacher = self.load()
         same_vocabulary(teacher, model, self.path)
+        same_tokens(getattr(corpus, "tokenizer", None), self.path)
         limit = positions(teacher)
         try:
             length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
@@ -162,9 +164,54 @@ def same_vocabulary(teacher: nn.Module, model: nn.Module, path) -> None:
                           "give a causal language model (a transformers *ForCausalLM directory or a looplib LM run)")
     _, ours = output_head(model)
     if theirs != ours:
-        raise ConfigError(KEY, f"the teacher at {path} has a vocabulary of {theirs} tokens and the student one of "
-                          f"{ours}: their distributions cannot be compared", "distil from a teacher trained with the "
-                          "student's tokenizer (data.tokenizer=TEACHER_DIR, or the teacher run's data settings)")
+        raise ConfigError(KEY, f"the teacher at {path} has a vocabulary of {theirs} tokens, the student {ours}: "
+                          "their distributions cannot be compared", f"tokenise the data as the teacher did: {TOKENS}, "
+                          f"and data.vocab_size={theirs}")
+
+
+def same_tokens(ours, path) -> None:
+    """The teacher's tokenizer (where its directory holds one) gives every token the id the data's
+    does: a teacher of the same vocabulary size with other ids would be compared token for token
+    with the wrong tokens, silently."""
+    if ours is None or not hasattr(ours, "get_vocab"):
+        return
+    theirs = teacher_tokenizer(Path(path).expanduser())
+    if theirs is None:
+        return
+    mine, other = ours.get_vocab(with_added_tokens=True), theirs.get_vocab(with_added_tokens=True)
+    moved = sorted(t for t in set(mine) | set(other) if mine.get(t) != other.get(t))
+    if moved:
+        t = moved[0]
+        raise ConfigError(KEY, f"the teacher at {path} tokenises differently from the data: {len(moved)} tokens have "
+                          f"other ids (e.g. {t!r}: {say(other.get(t))} in the teacher's tokenizer, {say(mine.get(t))} "
+                          "in the data's)", f"tokenise the data as the teacher did: {TOKENS}")
+
+
+def say(token_id) -> str:
+    return "no id" if token_id is None else f"id {token_id}"
+
+
+def teacher_tokenizer(where: Path):
+    """The teacher's tokenizer: its transformers directory's tokenizer.json, or a looplib run's (the
+    one it trained, kept in its checkpoints; or its ``data.tokenizer``); None when it holds none."""
+    from tokenizers import Tokenizer
+    from .run.finished import hf_directory, newest_checkpoint, run_config
+    directory = hf_directory(where)
+    files = [directory / "tokenizer.json"] if directory is not None else []
+    checkpoint = newest_checkpoint(where) if directory is None else None
+    if checkpoint is not None:
+        files.append(checkpoint / "tokenizer.json")
+    spec = ((run_config(where) or run_config(checkpoint or where)).get("data") or {}).get("tokenizer")
+    if directory is None and spec:
+        spec = Path(str(spec)).expanduser()
+        files.append(spec if spec.is_file() else spec / "tokenizer.json")
+    for file in files:
+        if file.is_file():
+            try:
+                return Tokenizer.from_file(str(file))
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception: as if there were none
+                return None
+    return None
 
 
 def positions(teacher: nn.Module) -> int | None:
