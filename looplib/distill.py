@@ -23,16 +23,15 @@ loss and its gradients with respect to the student's hidden states and head, and
 a few chunk x vocab blocks instead of two tokens x vocab tensors and their copies for backward).
 
 The teacher (``teacher=PATH``): a transformers model directory (``save_pretrained``'s), or a
-finished looplib run (its ``hf/`` export, or its config.yaml + model.safetensors, or its newest
-checkpoint). It is frozen (no gradients, eval mode: no dropout), optionally cast
-(``teacher_dtype``), and placed on the student's device by ``attach(model, engine)``, which
-looplib's runs call once the model is on its device. It must have the student's vocabulary.
+finished looplib run, read by the run (``looplib.run.teacher``); or, from Python, a module. It is
+frozen (no gradients, eval mode: no dropout), optionally cast (``teacher_dtype``), and placed on
+the student's device by ``attach(model, engine)``, which looplib's runs call once the model is on
+its device. It must have the student's vocabulary.
 """
 from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -54,9 +53,9 @@ class Distill(TokenCrossEntropy):
     cross-entropy (``loss_ce``) and distillation term D (``loss_distill``, without alpha and T^2)
     per token since the last row, over every rank."""
 
-    def __init__(self, teacher: str | None = None, temperature: Positive[float] = 1.0, alpha: Fraction = 0.5,
-                 kind: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl", beta: Fraction = 0.5,
-                 teacher_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    def __init__(self, teacher: str | nn.Module | None = None, temperature: Positive[float] = 1.0,
+                 alpha: Fraction = 0.5, kind: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl",
+                 beta: Fraction = 0.5, teacher_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
                  chunk_size: Positive[int] = 1024, ignore_index: int = -100):
         super().__init__(ignore_index)
         if kind not in ("forward_kl", "reverse_kl", "jsd"):
@@ -69,28 +68,38 @@ class Distill(TokenCrossEntropy):
             raise ConfigError("loss", f"temperature={temperature}, chunk_size={chunk_size}, teacher_dtype="
                               f"{teacher_dtype!r}: the temperature must be positive, chunk_size at least 1, the dtype "
                               f"one of {', '.join(DTYPES)}", "use e.g. loss.temperature=2 loss.chunk_size=1024")
-        self.path, self.temperature, self.alpha, self.kind, self.beta = teacher, temperature, alpha, kind, beta
+        self.temperature, self.alpha, self.kind, self.beta = temperature, alpha, kind, beta
         self.dtype, self.chunk_size = DTYPES[teacher_dtype], chunk_size
+        self.path = None if isinstance(teacher, nn.Module) else teacher
         self.teacher: nn.Module | None = None
+        if isinstance(teacher, nn.Module):
+            self.take(teacher)
         self.tallies = {True: None, False: None}   # training / evaluation sums (device tensors: no sync)
 
     # ------------------------------------------------------------------ the teacher
-    def load(self) -> nn.Module:
-        """The teacher, read once from ``teacher`` (on the CPU, frozen, in eval mode, cast)."""
+    @property
+    def unread(self) -> str | None:
+        """The teacher's directory while it is not read yet (``looplib.run.teacher`` reads it)."""
+        return self.path if self.teacher is None else None
+
+    def take(self, teacher: nn.Module) -> None:
+        """The teacher: frozen (no gradients), in eval mode (no dropout), cast to ``teacher_dtype``."""
+        self.teacher = teacher.to(self.dtype).requires_grad_(False).eval()
+
+    def held(self) -> nn.Module:
         if self.teacher is None:
-            if not self.path:
-                raise ConfigError(KEY, "loss=distill has no teacher", "give loss.teacher=DIR (a transformers model "
-                                  "directory or a finished looplib run)")
-            self.teacher = load_teacher(self.path).to(self.dtype).requires_grad_(False).eval()
+            raise ConfigError(KEY, f"the teacher at {self.path} is not read" if self.path else
+                              "loss=distill has no teacher", "give loss.teacher=DIR (a transformers model directory "
+                              "or a finished looplib run); in a loop of your own, Distill(teacher=MODULE), e.g. "
+                              "looplib.run.teacher.load_teacher(DIR)")
         return self.teacher
 
     def check_data(self, corpus, model: nn.Module, engine=None) -> None:
         """Before anything is set up (``looplib.run.assembly.build``): an engine that shards the
         student, a teacher of another vocabulary, sequences longer than the teacher's positions."""
         refuse_sharding(engine)
-        teacher = self.load()
+        teacher = self.held()
         same_vocabulary(teacher, model, self.path)
-        same_tokens(getattr(corpus, "tokenizer", None), self.path)
         limit = positions(teacher)
         try:
             length = corpus.train[0]["input_ids"].shape[-1] if len(corpus.train) else 0
@@ -98,19 +107,20 @@ class Distill(TokenCrossEntropy):
             return
         if limit is not None and length > limit:
             raise ConfigError(KEY, f"the data's sequences hold {length} tokens, more than the teacher's {limit} "
-                              f"positions ({self.path})", f"use data.seq_len={limit} or less (model.seq_len)")
+                              f"positions ({self.path or type(teacher).__name__})",
+                              f"use data.seq_len={limit} or less (model.seq_len)")
 
     def attach(self, model: nn.Module, engine=None) -> None:
         """Place the teacher where the student is (``engine.device``; the student's device without
         an engine), checked against it; looplib's runs call it once the student is set up."""
         refuse_sharding(engine)
-        teacher = self.load()
+        teacher = self.held()
         same_vocabulary(teacher, model, self.path)
         device = engine.device if engine is not None else next(model.parameters()).device
         self.teacher = teacher.to(device)
         size = sum(t.numel() * t.element_size() for t in self.teacher.state_dict().values())
-        log.info("distillation teacher: %s, frozen, %s, on %s (%.1f MB)", self.path, str(self.dtype).split(".")[-1],
-                 device, size / 2**20)
+        log.info("distillation teacher: %s, frozen, %s, on %s (%.1f MB)", self.path or type(teacher).__name__,
+                 str(self.dtype).split(".")[-1], device, size / 2**20)
 
     # ------------------------------------------------------------------ the loss
     def __call__(self, model, batch) -> torch.Tensor:
@@ -169,51 +179,6 @@ def same_vocabulary(teacher: nn.Module, model: nn.Module, path) -> None:
                           f"and data.vocab_size={theirs}")
 
 
-def same_tokens(ours, path) -> None:
-    """The teacher's tokenizer (where its directory holds one) gives every token the id the data's
-    does: a teacher of the same vocabulary size with other ids would be compared token for token
-    with the wrong tokens, silently."""
-    if ours is None or not hasattr(ours, "get_vocab"):
-        return
-    theirs = teacher_tokenizer(Path(path).expanduser())
-    if theirs is None:
-        return
-    mine, other = ours.get_vocab(with_added_tokens=True), theirs.get_vocab(with_added_tokens=True)
-    moved = sorted(t for t in set(mine) | set(other) if mine.get(t) != other.get(t))
-    if moved:
-        t = moved[0]
-        raise ConfigError(KEY, f"the teacher at {path} tokenises differently from the data: {len(moved)} tokens have "
-                          f"other ids (e.g. {t!r}: {say(other.get(t))} in the teacher's tokenizer, {say(mine.get(t))} "
-                          "in the data's)", f"tokenise the data as the teacher did: {TOKENS}")
-
-
-def say(token_id) -> str:
-    return "no id" if token_id is None else f"id {token_id}"
-
-
-def teacher_tokenizer(where: Path):
-    """The teacher's tokenizer: its transformers directory's tokenizer.json, or a looplib run's (the
-    one it trained, kept in its checkpoints; or its ``data.tokenizer``); None when it holds none."""
-    from tokenizers import Tokenizer
-    from .run.finished import hf_directory, newest_checkpoint, run_config
-    directory = hf_directory(where)
-    files = [directory / "tokenizer.json"] if directory is not None else []
-    checkpoint = newest_checkpoint(where) if directory is None else None
-    if checkpoint is not None:
-        files.append(checkpoint / "tokenizer.json")
-    spec = ((run_config(where) or run_config(checkpoint or where)).get("data") or {}).get("tokenizer")
-    if directory is None and spec:
-        spec = Path(str(spec)).expanduser()
-        files.append(spec if spec.is_file() else spec / "tokenizer.json")
-    for file in files:
-        if file.is_file():
-            try:
-                return Tokenizer.from_file(str(file))
-            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception: as if there were none
-                return None
-    return None
-
-
 def positions(teacher: nn.Module) -> int | None:
     """How many positions the teacher embeds (None: it does not say)."""
     hf = getattr(teacher, "hf", None)
@@ -221,34 +186,6 @@ def positions(teacher: nn.Module) -> int | None:
         from .hf.config import model_positions
         return model_positions(hf.config)
     return getattr(teacher, "seq_len", None)
-
-
-def load_teacher(path: str) -> nn.Module:
-    """A transformers directory (``looplib.hf.CausalLM``), or a finished looplib run's model
-    (``looplib.run.finished``); every refusal on the way names ``loss.teacher``."""
-    from .run.finished import hf_directory, load_finished
-    where = Path(path).expanduser()
-    if not where.is_dir():
-        raise ConfigError(KEY, f"{KEY}={path} is not a directory", "give a transformers model directory or a "
-                          "finished looplib run's directory (outputs/DATE/TIME)")
-    directory = hf_directory(where)
-    try:
-        if directory is None:
-            return load_finished(where, "cpu").model
-        if not (directory / "config.json").is_file():
-            raise ConfigError(KEY, f"{directory} holds a LoRA adapter, not a whole model", "train the teacher "
-                              "with peft.merge=true (its export is then the merged model), or distil from its base")
-        from .hf import CausalLM
-        from .hf.config import import_transformers
-        config = import_transformers().AutoConfig.from_pretrained(str(directory), local_files_only=True)
-        if not any(a.endswith("ForCausalLM") for a in config.architectures or ["ForCausalLM"]):
-            raise ConfigError(KEY, f"{directory} holds a {', '.join(config.architectures)}, not a causal language "
-                              "model", "give a *ForCausalLM directory")
-        return CausalLM(path=str(directory))
-    except ConfigError as err:
-        if err.key == KEY:
-            raise
-        raise ConfigError(KEY, f"the teacher at {where}: {err.problem}", err.fix) from None
 
 
 class LinearDistill(torch.autograd.Function):

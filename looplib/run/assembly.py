@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..groups import groups
 from ..loss import TokenCrossEntropy, refuse_unshifted
 from ..train_state import TrainState
-from . import autobatch
+from . import autobatch, teacher
 from .checkpoint_dir import config_text
 from .settings import Settings
 
@@ -201,6 +201,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     check_sequences_fit(parts.data, parts.model)
     check_pairs(parts.data, parts.objective)
     check_labels(parts.data, parts.objective)
+    teacher.provide(parts.objective, parts.data, parts.model, engine)  # loss=distill: its teacher read (loss.teacher=PATH)
     check_objective = getattr(parts.objective, "check_data", None)  # e.g. loss=distill: its teacher's vocabulary
     if check_objective is not None:
         check_objective(parts.data, parts.model, engine)

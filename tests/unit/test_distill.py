@@ -16,6 +16,7 @@ from looplib.distill import Distill
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
+from looplib.run import teacher as reading
 
 V = 50
 
@@ -107,7 +108,8 @@ def test_a_transformers_directory_is_a_teacher(tiny_pretrained):
     """loss.teacher=DIR of save_pretrained: read as looplib.hf.CausalLM; the loss over its logits."""
     objective = Distill(teacher=str(tiny_pretrained), temperature=2.0, kind="reverse_kl", chunk_size=9)
     student = gpt(vocab=384, d_model=16)
-    objective.check_data(None, student)  # no corpus to hold it to: the vocabularies only
+    reading.provide(objective, None)  # what a run does: read the teacher (no corpus to hold its tokens to)
+    objective.check_data(None, student)
     objective.attach(student)
     assert type(objective.teacher).__name__ == "CausalLM" and not objective.teacher.training
     assert not any(p.requires_grad for p in objective.teacher.parameters())
@@ -115,7 +117,7 @@ def test_a_transformers_directory_is_a_teacher(tiny_pretrained):
     mine = objective(student, batch)
     theirs, _, _ = by_hand(student, objective.teacher, batch, "reverse_kl", 2.0, 0.5)
     assert abs(mine.item() - theirs.item()) <= 1e-6 * abs(theirs.item())
-    half = Distill(teacher=str(tiny_pretrained), teacher_dtype="bfloat16")
+    half = Distill(teacher=reading.load_teacher(tiny_pretrained), teacher_dtype="bfloat16")  # a module, from Python
     half.attach(student)
     assert {p.dtype for p in half.teacher.parameters()} == {torch.bfloat16}
     assert torch.isfinite(half(student, batch))
@@ -204,6 +206,8 @@ def test_refusals():
     with pytest.raises(ConfigError, match="loss.beta"):
         Distill(kind="jsd", beta=0.0)
     with pytest.raises(ConfigError, match="loss.teacher.*is not a directory"):
+        reading.provide(Distill(teacher="/nonexistent/teacher"), None)
+    with pytest.raises(ConfigError, match="teacher at /nonexistent/teacher is not read.*load_teacher"):
         Distill(teacher="/nonexistent/teacher").attach(gpt())
     with pytest.raises(ConfigError, match="attach"):
         Distill()(gpt(), batch_of())
