@@ -68,6 +68,22 @@ def test_data_text_with_the_teachers_tokenizer(teacher, token_cache):
     assert rows_of(teacher / "text")[0]["loss_distill"] > 0
 
 
+def test_a_distilled_run_resumes_bit_for_bit(teacher, token_cache):
+    """The teacher is read again and placed before the checkpoint loads: killed at step 2 and resumed,
+    the run ends with the uninterrupted run's weights."""
+    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill", f"loss.teacher={teacher / 'teacher'}",
+           "loss.kind=reverse_kl", *TINY, "model.d_model=16", "checkpoint.every_steps=2"]
+    env = {"LOOPLIB_CACHE": token_cache, "OMP_NUM_THREADS": "1"}  # one thread's order of sums
+    full, part = teacher / "full", teacher / "part"
+    assert run_cli(*job, "max_steps=4", f"hydra.run.dir={full}", cwd=teacher, env=env).returncode == 0
+    assert run_cli(*job, "max_steps=2", f"hydra.run.dir={part}", cwd=teacher, env=env).returncode == 0
+    r = run_cli(*job, "max_steps=4", "resume=auto", f"hydra.run.dir={part}", cwd=teacher, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    assert [x["loss_distill"] for x in rows_of(part) if "loss_distill" in x] == \
+        [x["loss_distill"] for x in rows_of(full) if "loss_distill" in x]
+
+
 @pytest.mark.parametrize("data, vocab, words", [
     ("inst.jsonl", 280, ["300 tokens, the student 280", "data.vocab_size=300"]),
     ("other.jsonl", 300, ["tokenises differently", "tokenizer.json"])])

@@ -203,6 +203,10 @@ def test_refusals():
         keeps_modules, label, device = False, "fsdp", torch.device("cpu")
     with pytest.raises(ConfigError, match="engine=fsdp shards"):
         teacher_of(Distill(), gpt()).attach(gpt(), Sharding())
+    class Corpus:  # sequences of 40 tokens, and a teacher of 32 positions
+        train = [{"input_ids": torch.zeros(40, dtype=torch.long)}]
+    with pytest.raises(ConfigError, match="sequences hold 40 tokens, more than the teacher's 32 positions"):
+        teacher_of(Distill(), gpt()).check_data(Corpus(), gpt())
     with pytest.raises(ConfigError, match="loss.beta"):
         Distill(kind="jsd", beta=0.0)
     with pytest.raises(ConfigError, match="loss.teacher.*is not a directory"):
