@@ -168,14 +168,15 @@ def refuse_sharding(engine) -> None:
 
 
 def same_vocabulary(teacher: nn.Module, model: nn.Module, path) -> None:
+    who = f"the teacher at {path}" if path else f"the teacher ({type(teacher).__name__})"
     try:
         _, theirs = output_head(teacher)
     except ConfigError as err:
-        raise ConfigError(KEY, f"the teacher at {path} has no output projection ({err.problem})",
+        raise ConfigError(KEY, f"{who} has no output projection ({err.problem})",
                           "give a causal language model (a transformers *ForCausalLM directory or a looplib LM run)")
     _, ours = output_head(model)
     if theirs != ours:
-        raise ConfigError(KEY, f"the teacher at {path} has a vocabulary of {theirs} tokens, the student {ours}: "
+        raise ConfigError(KEY, f"{who} has a vocabulary of {theirs} tokens, the student {ours}: "
                           "their distributions cannot be compared", f"tokenise the data as the teacher did: {TOKENS}, "
                           f"and data.vocab_size={theirs}")
 

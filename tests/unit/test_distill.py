@@ -2,6 +2,7 @@
 chunked or not, a padded vocabulary, a transformers teacher), peak memory below the unchunked
 loss's, accumulation-exact, the two terms in the metrics, and its refusals."""
 import copy
+import json
 import weakref
 
 import pytest
@@ -11,12 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from looplib import optim as lo
+from looplib import train_model
 from looplib.accumulation import Accumulation
 from looplib.distill import Distill
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.run import teacher as reading
+
+from conftest import random_tokens
 
 V = 50
 
@@ -215,3 +219,17 @@ def test_refusals():
         Distill(teacher="/nonexistent/teacher").attach(gpt())
     with pytest.raises(ConfigError, match="attach"):
         Distill()(gpt(), batch_of())
+
+
+def test_train_model_takes_a_teacher_module_and_logs_both_terms(tmp_path):
+    """From Python: Distill(teacher=MODULE) through train_model, checked and placed as a run does."""
+    path = tmp_path / "metrics.jsonl"
+    objective = Distill(teacher=gpt(seed=1, vocab=64, d_model=24), temperature=2.0)
+    train_model(gpt(vocab=64), random_tokens(n=16), objective=objective, max_steps=2, batch_size=4, metrics=path,
+                log_every=1, device="cpu")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if '"loss"' in x]
+    assert len(rows) == 2 and all(r["loss"] == pytest.approx(0.5 * r["loss_ce"] + 2 * r["loss_distill"], rel=1e-5)
+                                  for r in rows)
+    with pytest.raises(ConfigError, match=r"the teacher \(GPT\) has a vocabulary of 50 tokens, the student 64"):
+        train_model(gpt(vocab=64), random_tokens(n=16), objective=Distill(teacher=gpt()), max_steps=1, batch_size=4,
+                    device="cpu")
