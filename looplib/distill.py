@@ -30,6 +30,7 @@ its device. It must have the student's vocabulary.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from typing import Literal
@@ -72,6 +73,7 @@ class Distill(TokenCrossEntropy):
         self.dtype, self.chunk_size = DTYPES[teacher_dtype], chunk_size
         self.path = None if isinstance(teacher, nn.Module) else teacher
         self.teacher: nn.Module | None = None
+        self.digest: str | None = None
         if isinstance(teacher, nn.Module):
             self.take(teacher)
         self.tallies = {True: None, False: None}   # training / evaluation sums (device tensors: no sync)
@@ -85,6 +87,12 @@ class Distill(TokenCrossEntropy):
     def take(self, teacher: nn.Module) -> None:
         """The teacher: frozen (no gradients), in eval mode (no dropout), cast to ``teacher_dtype``."""
         self.teacher = teacher.to(self.dtype).requires_grad_(False).eval()
+        self.digest = weights_digest(self.teacher)
+
+    def fingerprint(self) -> dict | None:
+        """What identifies the teacher (a digest of its weights as cast): kept in every checkpoint
+        beside the data's, so that a resume refuses a teacher changed since (``looplib.data.identity``)."""
+        return {"digest": self.digest} if self.digest is not None else None
 
     def held(self) -> nn.Module:
         if self.teacher is None:
@@ -179,6 +187,15 @@ def same_vocabulary(teacher: nn.Module, model: nn.Module, path) -> None:
         raise ConfigError(KEY, f"{who} has a vocabulary of {theirs} tokens, the student {ours}: "
                           "their distributions cannot be compared", f"tokenise the data as the teacher did: {TOKENS}, "
                           f"and data.vocab_size={theirs}")
+
+
+def weights_digest(module: nn.Module) -> str:
+    """sha256 over every tensor of ``module``'s state (names, dtypes, shapes and bytes), in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
 
 
 def positions(teacher: nn.Module) -> int | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..data import identity
 from ..distill import KEY, TOKENS, refuse_sharding, same_vocabulary
 from ..errors import ConfigError
 from .finished import hf_directory, load_finished, newest_checkpoint, run_config
@@ -30,6 +31,7 @@ def provide(objective, corpus, model: nn.Module | None = None, engine=None) -> N
         return
     refuse_sharding(engine)  # before reading a teacher the engine would refuse
     objective.take(load_teacher(path))
+    identity.check({"teacher": objective.fingerprint()})  # resumed: the checkpoint's teacher, or refused now
     if model is not None:
         same_vocabulary(objective.teacher, model, path)  # (the sizes first: the plainer line)
     same_tokens(getattr(corpus, "tokenizer", None), path)

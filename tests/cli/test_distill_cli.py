@@ -99,3 +99,29 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, token_c
     assert "Traceback" not in r.stderr
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
     assert not (run / "config.yaml").exists()
+
+
+def test_a_resume_whose_teacher_changed_is_refused(teacher, token_cache):
+    """The teacher's weights are in every checkpoint's fingerprint: a teacher edited in place since
+    (the same path, so the same config) is refused in one line, the run left as it was."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    moved = teacher / "teacher-copy"
+    shutil.copytree(teacher / "teacher", moved)
+    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill", f"loss.teacher={moved}", *TINY,
+           "model.d_model=16", "checkpoint.every_steps=1"]
+    env = {"LOOPLIB_CACHE": token_cache}
+    run = teacher / "changed"
+    assert run_cli(*job, "max_steps=1", f"hydra.run.dir={run}", cwd=teacher, env=env).returncode == 0
+    weights = load_file(moved / "model.safetensors")
+    save_file({k: v + 0.01 * torch.ones_like(v) for k, v in weights.items()}, moved / "model.safetensors")
+    before = (run / "model.safetensors").read_bytes()
+    r = run_cli(*job, "max_steps=2", "resume=auto", f"hydra.run.dir={run}", cwd=teacher, env=env)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "the distillation teacher (loss.teacher) differs from that the checkpoint" in line and "Traceback" not in r.stderr
+    assert (run / "model.safetensors").read_bytes() == before and not list(run.glob("checkpoints/step-*2"))
+    save_file(weights, moved / "model.safetensors")  # put back: the resume goes on
+    assert run_cli(*job, "max_steps=2", "resume=auto", f"hydra.run.dir={run}", cwd=teacher, env=env).returncode == 0
