@@ -269,8 +269,9 @@ class LinearDistill(torch.autograd.Function):
 
         def scale(g, dtype):
             return None if g is None else g.mul_(grad_output).to(dtype)
-        return (scale(grad_hidden, None if grad_hidden is None else grad_hidden.dtype), scale(grad_weight, ctx.dtypes[0]),
-                scale(grad_bias, ctx.dtypes[1]), None, None, None, None, None, None)
+        hidden_dtype = None if grad_hidden is None else grad_hidden.dtype
+        return (scale(grad_hidden, hidden_dtype), scale(grad_weight, ctx.dtypes[0]), scale(grad_bias, ctx.dtypes[1]),
+                None, None, None, None, None, None)
 
 
 def logits_of(h, w, bias, compute, vocab, acc):

@@ -201,7 +201,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     check_sequences_fit(parts.data, parts.model)
     check_pairs(parts.data, parts.objective)
     check_labels(parts.data, parts.objective)
-    teacher.provide(parts.objective, parts.data, parts.model, engine)  # loss=distill: its teacher read (loss.teacher=PATH)
+    teacher.provide(parts.objective, parts.data, parts.model, engine)  # loss=distill: reads loss.teacher=PATH
     check_objective = getattr(parts.objective, "check_data", None)  # e.g. loss=distill: its teacher's vocabulary
     if check_objective is not None:
         check_objective(parts.data, parts.model, engine)

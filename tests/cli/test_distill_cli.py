@@ -38,7 +38,8 @@ def rows_of(run):
 
 def test_a_student_distilled_from_a_finished_run_logs_both_terms(teacher, token_cache):
     run = teacher / "student"
-    r = run_cli("data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill", f"loss.teacher={teacher / 'teacher'}",
+    r = run_cli("data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill",
+                f"loss.teacher={teacher / 'teacher'}",
                 "loss.temperature=2", "loss.alpha=0.7", *TINY, "model.d_model=16", "max_steps=2", "eval_every=2",
                 f"hydra.run.dir={run}", cwd=teacher, env={"LOOPLIB_CACHE": token_cache})
     assert r.returncode == 0, r.stderr
@@ -71,7 +72,8 @@ def test_data_text_with_the_teachers_tokenizer(teacher, token_cache):
 def test_a_distilled_run_resumes_bit_for_bit(teacher, token_cache):
     """The teacher is read again and placed before the checkpoint loads: killed at step 2 and resumed,
     the run ends with the uninterrupted run's weights."""
-    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill", f"loss.teacher={teacher / 'teacher'}",
+    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill",
+           f"loss.teacher={teacher / 'teacher'}",
            "loss.kind=reverse_kl", *TINY, "model.d_model=16", "checkpoint.every_steps=2"]
     env = {"LOOPLIB_CACHE": token_cache, "OMP_NUM_THREADS": "1"}  # one thread's order of sums
     full, part = teacher / "full", teacher / "part"
@@ -121,7 +123,8 @@ def test_a_resume_whose_teacher_changed_is_refused(teacher, token_cache):
     r = run_cli(*job, "max_steps=2", "resume=auto", f"hydra.run.dir={run}", cwd=teacher, env=env)
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
-    assert "the distillation teacher (loss.teacher) differs from that the checkpoint" in line and "Traceback" not in r.stderr
+    assert "the distillation teacher (loss.teacher) differs from that the checkpoint" in line
+    assert "Traceback" not in r.stderr
     assert (run / "model.safetensors").read_bytes() == before and not list(run.glob("checkpoints/step-*2"))
     save_file(weights, moved / "model.safetensors")  # put back: the resume goes on
     assert run_cli(*job, "max_steps=2", "resume=auto", f"hydra.run.dir={run}", cwd=teacher, env=env).returncode == 0

@@ -12,7 +12,8 @@ from test_engines_ddp import LOSS_RTOL, WEIGHT_ATOL, torchrun
 
 
 def test_two_processes_equal_one_process_of_twice_the_batch(teacher, token_cache, monkeypatch):  # noqa: F811
-    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill", f"loss.teacher={teacher / 'teacher'}",
+    job = ["data=instruct", f"data.path={teacher / 'inst.jsonl'}", "loss=distill",
+           f"loss.teacher={teacher / 'teacher'}",
            "loss.temperature=2", "loss.kind=reverse_kl", *TINY, "model.d_model=16", "max_steps=3", "eval_every=3",
            "+optim=sgd", "optim.momentum=0"]
     monkeypatch.setenv("LOOPLIB_CACHE", token_cache)  # the teacher's tokens, cached
@@ -28,5 +29,6 @@ def test_two_processes_equal_one_process_of_twice_the_batch(teacher, token_cache
                 assert a[key] == pytest.approx(b[key], rel=LOSS_RTOL, abs=1e-7), key
                 compared += 1
     assert compared >= 12
-    weights, expected = load_file(teacher / "two" / "model.safetensors"), load_file(teacher / "one" / "model.safetensors")
+    weights = load_file(teacher / "two" / "model.safetensors")
+    expected = load_file(teacher / "one" / "model.safetensors")
     assert max((weights[k] - expected[k]).abs().max().item() for k in expected) < WEIGHT_ATOL
