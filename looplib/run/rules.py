@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..loss import TokenCrossEntropy, refuse_unshifted
+from . import teacher
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,10 @@ RULES: list[Rule] = [
          "data, objective", lambda p, s: check_pairs(p.data, p.objective)),
     Rule("labels shifted as the loss expects (not the Hugging Face convention)", "built",
          "data, objective", lambda p, s: check_labels(p.data, p.objective)),
+    Rule("the objective's own check of the data and the model, its teacher read first (loss=distill: the "
+         "teacher's vocabulary and tokenizer)", "built", "objective, data, model, engine", lambda p, s: (
+             teacher.provide(p.objective, p.data, p.model, p.engine),
+             optional(p.objective, "check_data", p.data, p.model, p.engine))),
     Rule("adapters on a trained base (unless peft.allow_random_base)", "built",
          "peft, model", lambda p, s: optional(p.peft, "check_base", p.model)),
 ]

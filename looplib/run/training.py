@@ -68,6 +68,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     geometry = current(engine, s.batch_size, s.accum_steps)
     checkpoints.geometry = geometry.as_dict()  # what a resume may change
     checkpoints.identity = getattr(job.data, "fingerprint", lambda: None)()  # kept in every checkpoint, compared on resume
+    taught = getattr(job.objective, "fingerprint", lambda: None)()  # loss=distill: its teacher's weights, compared too
+    if taught is not None:
+        checkpoints.identity = {**(checkpoints.identity or {}), "teacher": taught}
     checkpoints.files = identity.checkpoint_files(job.data, checkpoints.identity)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
