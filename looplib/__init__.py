@@ -13,8 +13,8 @@ matplotlib) are imported only when chosen; importing looplib never imports Hydra
 from .accumulation import Accumulation, Window
 from .peft import GPT_LINEARS, FullModel, LoRA, QLoRA, load_lora
 from .run.api import Datasets, Trained, train_model
-from .run.finished import Finished, load_finished
-from .checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
+from .store.finished import Finished, load_finished
+from .activations import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
 from .compile import Compile, NoCompile, TorchCompile
 from .data import Corpus, EpochSampler, Epochs, RandomCorpus, RandomTokens, TokenChunks, build_loader
 from .engines import DDP, Engine, Local

@@ -131,7 +131,7 @@ class TorchCompile(Compile):
         if not self.regional:
             model.compile(**self.options())
             return model
-        from .checkpointing import ActivationCheckpointing  # the same finder as +checkpointing=blocks
+        from .activations import ActivationCheckpointing  # the same finder as +checkpointing=blocks
         units = ActivationCheckpointing(types=self.blocks).chosen(model)
         if not units:
             classes = sorted({type(m).__name__ for m in model.modules()})

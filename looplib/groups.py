@@ -3,7 +3,9 @@
 One row per group says what a newcomer (and the code) needs to know about it:
 
     name      the folder ``conf/<name>/`` and the config key; the module of its built-in classes
-              is named after it (``looplib/<name>.py`` or a package)
+              is named after it (``looplib/<name>.py`` or a package), but for ``checkpointing``,
+              whose module is ``looplib/activations.py`` (activation memory: saved checkpoints of
+              the run are ``looplib.store``; the command line keeps ``+checkpointing=``)
     base      what its options build: a subclass of this (``object``: any object with the verbs)
     null      the object an absent group means (the plain-PyTorch default), made from the
               job's settings; None where the part is required (the model, the data)
@@ -33,7 +35,7 @@ from typing import Any, Callable, Literal
 
 from torch import nn
 
-from .checkpointing import Checkpointing
+from .activations import Checkpointing
 from .compile import Compile
 from .data import Corpus
 from .engines import Engine

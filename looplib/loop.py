@@ -27,7 +27,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         state: TrainState | None = None) -> TrainState:
     """Train ``model`` (already on ``engine``'s device) until ``state.step == max_steps``, or
     until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True).
-    ``checkpoints``: anything with ``after_step(state) -> stop`` (``looplib.run.saving.Checkpoints``)."""
+    ``checkpoints``: anything with ``after_step(state) -> stop`` (``looplib.store.saving.Checkpoints``)."""
     precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
     engine, state = engine or Engine("cpu"), state or TrainState()
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)

@@ -91,7 +91,7 @@ class LoRA(FullModel):
 
     def check_base(self, model):
         """Adapters fine-tune a trained base: one looplib knows was never trained (random weights:
-        ``looplib.run.init_from.untrained``) is refused unless ``allow_random_base``."""
+        ``looplib.store.init_from.untrained``) is refused unless ``allow_random_base``."""
         if self.allow_random_base or not untrained(model):
             return
         name = "qlora" if isinstance(self, QLoRA) else "lora"

@@ -1,6 +1,6 @@
 """The run's counters: the optimizer step, where the data stream is, and the bad-step streak.
 
-``fit`` advances them once per optimizer-step boundary (``end_window``); ``looplib.run.saving``
+``fit`` advances them once per optimizer-step boundary (``end_window``); ``looplib.store.saving``
 saves and restores them with the rest of the run.
 """
 from __future__ import annotations

@@ -52,7 +52,7 @@ def build(size: str, device: str, root: Path):
     from looplib.models import GPT
     from looplib.optim import AdamW
     from looplib.precision import BF16, FP32
-    from looplib.run.saving import Checkpoints
+    from looplib.store.saving import Checkpoints
     d, layers, heads, vocab, seq, batch = SIZES[size]
     torch.manual_seed(0)
     model = GPT(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=heads, d_model=d).to(device)

@@ -24,7 +24,7 @@ from typing import Callable
 from ..engines import board
 from ..engines.launch import launched_rank, launched_world, strip_launcher_args
 from ..errors import EXIT_CONFIG, Interrupted
-from ..run import rundir
+from ..store import rundir
 from ..run.endings import refused_line
 from .args import explain, follow_advice, normalise
 

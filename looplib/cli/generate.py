@@ -1,6 +1,6 @@
 """Sample from a run's result: ``python -m looplib.generate RUN_DIR [--prompt TEXT] [--tokens N]``.
 
-The arguments and the sampling only: what a run left is loaded by ``looplib.run.finished``
+The arguments and the sampling only: what a run left is loaded by ``looplib.store.finished``
 (``load_finished``, which the Python API calls too):
 
 - a run of a transformers model (``model=hf``, ``llama_tiny`` ...): its ``hf/`` directory, its own
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EXIT_CONFIG, ConfigError
-from ..run.finished import Finished, load_finished, run_config, run_corpus
+from ..store.finished import Finished, load_finished, run_config, run_corpus
 
 
 def default_prompt(run_dir: Path, prompt: str | None, raw: bool = False) -> tuple[str, bool]:

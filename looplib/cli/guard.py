@@ -2,7 +2,7 @@
 (``hydra.callbacks`` in conf/config.yaml): Hydra calls it before it creates the run directory,
 opens its log file there or writes ``.hydra/``, so a refusal leaves an earlier run's files
 untouched. The rules themselves (what a run directory may hold, removing what a refused run
-wrote) are Hydra-free, in ``looplib.run.rundir``, which ``train_model`` uses without Hydra.
+wrote) are Hydra-free, in ``looplib.store.rundir``, which ``train_model`` uses without Hydra.
 It also tells ``looplib.cli.entry`` when a job starts and ends (from then on an exception is
 the job's own, reported by Hydra as always).
 """
@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ..engines import launch
 from ..errors import ConfigError
-from ..run import lock
-from ..run.rundir import check, continued, latest_resumable, results, snapshot
+from ..store import lock
+from ..store.rundir import check, continued, latest_resumable, results, snapshot
 from .entry import BOUNDARY
 from .entry import refuse as refuse_line
 from .sweep import SWEEPER
@@ -95,7 +95,7 @@ def own_scratch(config: DictConfig, key: str) -> None:
     """Under a launcher, a rank other than 0 writes Hydra's files (``.hydra/``, its log) into a
     scratch directory of its own, also when the command names the run directory itself
     (``hydra.run.dir=DIR``): two ranks writing (or restoring) one ``.hydra/`` would collide, and
-    only rank 0 holds the directory (``looplib.run.lock``). Every rank trains into rank 0's
+    only rank 0 holds the directory (``looplib.store.lock``). Every rank trains into rank 0's
     directory (``Engine.shared_run_dir``)."""
     if launch.launched_rank() == 0 or launch.launched_world()[0] <= 1:
         return
@@ -107,7 +107,7 @@ def own_scratch(config: DictConfig, key: str) -> None:
 
 class RunDirGuard(Callback):
     """Checks the run (or sweep) directory before Hydra writes anything into it, and holds it
-    (``looplib.run.lock``, rank 0) until the run ends."""
+    (``looplib.store.lock``, rank 0) until the run ends."""
 
     def __init__(self):
         self.held: Path | None = None

@@ -111,7 +111,7 @@ def check_group(cfg: DictConfig, group: str) -> None:
                 cfg[group][name] = f"${{{name}}}"
     options = resolved(cfg, group)
     if group == "model":
-        options.pop("init_from", None)  # looplib's own key of every model group (looplib.run.init_from), not an argument
+        options.pop("init_from", None)  # looplib's own key of every model group (looplib.store.init_from), not an argument
     check_options(f"{group}.", target, options, origin(group, target_path))
 
 
@@ -153,7 +153,7 @@ def instantiate(cfg: DictConfig, group: str, **runtime: Any) -> Any:
     if node is None or "_target_" not in node:
         raise ConfigError(group, f"the {group} config has no _target_", f"add {group}._target_=package.Class")
     target = resolved(cfg, group)["_target_"]
-    if group == "model" and "init_from" in node:  # looplib's own key (looplib.run.init_from), not an argument
+    if group == "model" and "init_from" in node:  # looplib's own key (looplib.store.init_from), not an argument
         node = {k: v for k, v in resolved(cfg, group).items() if k != "init_from"}
     try:
         return hydra.utils.instantiate(node, _convert_="all", **runtime)  # plain dicts and lists, never DictConfig

@@ -21,10 +21,10 @@ from ..engines.launch import relaunch
 from ..errors import ConfigError, Interrupted, NothingToDo, PeerRefused, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
-from ..run import rundir
+from ..store import rundir
 from ..run.assembly import Job, JobSpec, Parts, Recipe, Record
 from ..run.session import Session, assemble
-from ..run.lock import DirectoryHeld
+from ..store.lock import DirectoryHeld
 from ..run.settings import NOT_ARGUMENTS
 from ..run.signals import Signals
 from . import sweep
@@ -53,7 +53,7 @@ def job_spec(cfg: DictConfig) -> JobSpec:
     # a group absent from the config (one with no default file) is its null object (Parts.fill)
     built = {row.part: instantiate(cfg, row.name) for row in strategies() if cfg.get(row.name) is not None}
     parts = Parts.of(data=GroupRecipe(cfg, "data"), model=GroupRecipe(cfg, "model"), logger=trackers, **built)
-    init = cfg.model.get("init_from")  # a finished run's weights, only them (looplib.run.init_from)
+    init = cfg.model.get("init_from")  # a finished run's weights, only them (looplib.store.init_from)
     return JobSpec(parts, settings, record(cfg), init_from=str(init) if init else None)
 
 

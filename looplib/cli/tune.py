@@ -119,7 +119,7 @@ def describe(job: list[str]) -> Job:
     warmup = "warmup_steps" in (cfg.get("schedule") or {})  # the runs in small are shorter than the warm-up
     model = cfg.get("model") or {}
     random = str(model.get("_target_", "")).startswith(("looplib.models.", "looplib.hf.")) \
-        and not model.get("path") and not model.get("init_from")  # looplib.run.init_from.untrained, from the config
+        and not model.get("path") and not model.get("init_from")  # looplib.store.init_from.untrained, from the config
     return Job(job, check_config(cfg), str(cfg.loss.get("_target_", "")), planner,
                ["schedule.warmup_steps=0"] if warmup else [], trained_base=not random)
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
-    from ..run.rundir import write_exit_status
+    from ..store.rundir import write_exit_status
     try:
         status = run(argv)
     except ConfigError as err:

@@ -4,7 +4,7 @@ A corpus describes them with ``Corpus.fingerprint()``: a dict of parts, ``train`
 ``tokenizer`` (a corpus of one's own may add more), each a digest string or a dict holding one
 (``{"digest": ..., "files": {path: digest}}``; ``files`` lets a refusal name what changed).
 Every checkpoint keeps the fingerprint of the data it was trained on (meta.json), and a resume
-compares it with the data it is given now (``looplib.run.resume``): a difference is refused in
+compares it with the data it is given now (``looplib.store.resume``): a difference is refused in
 one line (``refuse``), because the checkpoint's weights learned from the old data (a retrained
 tokenizer maps text to other ids under the same embeddings).
 

@@ -22,7 +22,7 @@ Who does what:
 - checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its own
   shards, in parallel), and load onto any number of processes, under FSDP or as whole tensors
   under DDP or the local engine (``looplib.engines.state_dicts``; which changes a resume
-  accepts: ``looplib.run.elastic``);
+  accepts: ``looplib.store.elastic``);
 - the final weights are gathered into ``model.safetensors`` on rank 0's CPU, one parameter
   at a time from the other ranks' point of view (no rank but 0 ever holds the whole model).
 """
@@ -90,7 +90,7 @@ class FSDP(Distributed):
                  block_names: str | None = None, reshard_after_forward: bool = True,
                  offload: Literal["none", "cpu"] = "none", reduce_dtype: Literal["float32", "param"] = "float32",
                  timeout_s: Positive[float] = 1800):
-        from ..checkpointing import ActivationCheckpointing
+        from ..activations import ActivationCheckpointing
         super().__init__(device, timeout_s)
         if offload not in ("none", "cpu"):
             raise ConfigError("engine.offload", f"{offload!r} is not an offload device",

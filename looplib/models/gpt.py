@@ -134,7 +134,7 @@ class GPT(nn.Module):
 
 def weights_loaded(model: nn.Module) -> None:
     """``model.weights_from``: None while the weights are as initialised (random), else where they
-    were loaded from (``looplib.run.init_from``, or "load_state_dict"): LoRA refuses an untrained base."""
+    were loaded from (``looplib.store.init_from``, or "load_state_dict"): LoRA refuses an untrained base."""
     model.weights_from = None
     model.register_load_state_dict_post_hook(mark_loaded)
 

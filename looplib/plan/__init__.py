@@ -28,7 +28,7 @@ measurement), ``sharding`` (ZeRO/FSDP arithmetic), ``budget`` (``Plan``, ``plan_
 """
 from __future__ import annotations
 
-from ..checkpointing import ActivationCheckpointing, Checkpointing
+from ..activations import ActivationCheckpointing, Checkpointing
 from .activations import (STRATEGIES, Activations, ActivationUse, FusedAttention, MetaAutocast, Saved,
                           activation_estimates, activation_uses, chosen_modules, default_checkpointing, measure_saved,
                           meta_batch, strategy_bytes)

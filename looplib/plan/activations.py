@@ -13,7 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..checkpointing import SAVE, ActivationCheckpointing, Checkpointing
+from ..activations import SAVE, ActivationCheckpointing, Checkpointing
 from ..loss import SequenceCrossEntropy
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpointing import ActivationCheckpointing
+from ..activations import ActivationCheckpointing
 from .static import unique_params
 
 

@@ -8,10 +8,10 @@
     api            ``train_model``: Python objects -> a JobSpec -> the session
     settings       the job's top-level settings, typed and checked
     autobatch      ``batch_size=auto``: the largest micro-batch that fits, and the accumulation
-    rundir         what a run directory may hold; what a refused run leaves behind (nothing)
-    saving         ``Checkpoints``: when and what to save, atomically; the bad-step rule
-    checkpoint_dir what a checkpoint directory holds, and the one check it passes before it is read
-    resume         which checkpoint a run continues from, which config changes it accepts, the restore
     signals        SIGTERM, SIGUSR1 and Ctrl-C: a flag while training, a stop at once before it
+    rules          which strategies combine: every rule between the parts, listed once
     plots          loss.png at the end of a run
+
+What the run leaves on disk and reads back (the run directory, its lock, checkpoints, resume,
+exports) lives in ``looplib.store``.
 """

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..checkpointing import Checkpointing
+from ..activations import Checkpointing
 from ..compile import Compile
 from ..data import Corpus
 from ..engines import Engine, board
@@ -49,7 +49,7 @@ from ..schedule import Schedule
 from .assembly import JobSpec, Parts, Record, Trained
 from .launcher import engine_for
 from .session import Session
-from .rundir import check as check_run_dir
+from ..store.rundir import check as check_run_dir
 from .settings import (NOT_ARGUMENTS, SAMPLE_TOKENS, Checkpoint, Default, Settings, as_config, refuse_renamed,
                        settings_from)
 from .settings import Settings as S  # train_model's defaults are the command line's, from one source
@@ -90,7 +90,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
     ``collate_fn``: a corpus's ``collate`` for samples of different lengths; ``loader``: the
     DataLoader keys of the CLI's ``loader.*`` (num_workers, pin_memory, ...); ``init_from``: a finished
     run's directory (or one of its checkpoints) whose weights ``model`` starts from, only them
-    (``model.init_from``, ``looplib.run.init_from``); ``checkpoint_every``:
+    (``model.init_from``, ``looplib.store.init_from``); ``checkpoint_every``:
     steps between checkpoints (0: only at the end, None: none at all, as ``checkpoint.enabled=false``);
     ``checkpoint_async``: written in the background while training goes on (``checkpoint.async=true``);
     ``sample_tokens``: left as it is, the command line's sample at the end where the data can

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..groups import groups
 from ..train_state import TrainState
 from . import autobatch, rules
-from .checkpoint_dir import config_text
+from ..store.checkpoint_dir import config_text
 from .settings import Settings
 
 

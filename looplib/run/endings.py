@@ -13,7 +13,7 @@ from ..engines.launch import launched_rank, lost_rank_line
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, PeerRefused, RunEnded,
                       SaveError, disk_full)
 from .assembly import Record
-from .checkpoint_dir import step_dirs
+from ..store.checkpoint_dir import step_dirs
 from .signals import Signals
 
 log = logging.getLogger("looplib")

@@ -34,12 +34,12 @@ from ..engines import board
 from ..errors import ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, PeerRefused, RunEnded
 from ..peft import FullModel
 from .assembly import Job, JobSpec, Recipe, Trained, build, check as check_parts
-from .checkpoint_dir import seed_host_rngs
+from ..store.checkpoint_dir import seed_host_rngs
 from .endings import as_ending, ending, fresh_file
-from .init_from import init_from
-from .lock import DirectoryHeld, NotALock, hold, holds, release
-from .resume import Resumed, expected_identity, plan
-from .rundir import forget, results
+from ..store.init_from import init_from
+from ..store.lock import DirectoryHeld, NotALock, hold, holds, release
+from ..store.resume import Resumed, expected_identity, plan
+from ..store.rundir import forget, results
 from .signals import Signals
 from .training import train
 
@@ -182,7 +182,7 @@ def assemble(spec: JobSpec) -> Job:
 
 
 def hold_for_ranks(engine, run_dir: Path, key: str) -> list[Path]:
-    """Rank 0 holds ``run_dir`` for every rank (``looplib.run.lock``); every rank learns the outcome
+    """Rank 0 holds ``run_dir`` for every rank (``looplib.store.lock``); every rank learns the outcome
     from it, so a directory held by another run is refused alike everywhere. Returns what this
     process holds ([run_dir], or [] where another rank holds it)."""
     refusal = None

@@ -33,7 +33,7 @@ class Loader:
 
 @dataclass
 class Checkpoint:
-    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.run.saving``)."""
+    """The ``checkpoint`` keys: crash-safe checkpoints of the run (``looplib.store.saving``)."""
     enabled: bool = True
     every_steps: NonNegative[int] = field(default=100, metadata={"fix": "use e.g. checkpoint.every_steps=100 (0: only at the end)"})
     keep: Positive[int] = field(default=2, metadata={"fix": "use e.g. checkpoint.keep=2"})

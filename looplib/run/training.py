@@ -22,12 +22,12 @@ from ..loop import fit
 from ..telemetry import Telemetry, peak_flops
 from ..train_state import TrainState
 from .assembly import Job, Record, Trained, parameter_counts, refused
-from .checkpoint_dir import config_text, seed_host_rngs
+from ..store.checkpoint_dir import config_text, seed_host_rngs
 from .plots import end_of_run_plot
-from .elastic import current
-from .resume import Resumed, resume
-from .rundir import artefacts
-from .saving import Checkpoints
+from ..store.elastic import current
+from ..store.resume import Resumed, resume
+from ..store.rundir import artefacts
+from ..store.saving import Checkpoints
 from .signals import Signals
 
 log = logging.getLogger("looplib")
@@ -102,7 +102,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     telemetry.about.update({k: launched(geometry)[k] for k in ("launcher", "world_size", "global_batch")})
     ranks = f" x {engine.world_size} processes" if engine.world_size > 1 else ""  # batch_size is per process
     total, trained_count, four_bit = getattr(job, "counts", None) or parameter_counts(job.model)  # before sharding
-    if state.step >= s.max_steps:  # a finished run whose weights were never written (looplib.run.resume.check_steps)
+    if state.step >= s.max_steps:  # a finished run whose weights were never written (looplib.store.resume.check_steps)
         log.info("nothing left to train (step %d of %d): writing the end of the run", state.step, s.max_steps)
     else:
         log.info("training %s (%.2fM parameters%s) on %s: steps %d-%d of %d x %d %s%s, precision %s, "

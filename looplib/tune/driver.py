@@ -152,7 +152,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
     """The search (``world``: the tuners under torchrun, or None)."""
     import torch
     from ..engines.local import resolve_device
-    from ..run.rundir import check as check_run_dir
+    from ..store.rundir import check as check_run_dir
     from ..run.signals import Signals
     size, main = (world.size, world.rank == 0) if world else (1, True)
     job = describe(job_overrides)

@@ -56,7 +56,7 @@ def test_the_same_job_both_ways_with_each_ones_defaults_trains_bit_for_bit(tmp_p
     from conftest import run_cli
     from looplib import RandomCorpus
     from looplib.models import GPT
-    from looplib.run.checkpoint_dir import read_config
+    from looplib.store.checkpoint_dir import read_config
     r = run_cli("data=random", "data.vocab_size=64", "data.n_train=64", "data.n_eval=16", "model.n_layer=1",
                 "model.d_model=32", "model.n_head=2", "model.seq_len=16", "max_steps=4",
                 f"hydra.run.dir={tmp_path / 'cli'}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})

@@ -5,7 +5,7 @@ import pytest
 import torch
 from looplib import TokenCrossEntropy
 from looplib.errors import EXIT_IO, ConfigError
-from looplib.run.checkpoint_dir import find_checkpoint, is_valid
+from looplib.store.checkpoint_dir import find_checkpoint, is_valid
 from looplib.run.settings import as_config, settings_from
 
 from conftest import run_cli

@@ -237,7 +237,7 @@ def test_a_state_file_of_another_pickle_protocol_is_refused_without_torchs_warni
     import torch
 
     from looplib.errors import ConfigError
-    from looplib.run.checkpoint_dir import load_state
+    from looplib.store.checkpoint_dir import load_state
     path = tmp_path / "state.pt"
     torch.save({"step": torch.tensor(3)}, path, pickle_protocol=4)
     with warnings.catch_warnings(record=True) as seen, pytest.raises(ConfigError, match="resume: .*state.pt"):

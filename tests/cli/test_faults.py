@@ -25,9 +25,9 @@ from looplib.models import GPT
 from looplib.precision import FP32
 from looplib.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Interrupted
 from looplib.run.signals import Signals
-from looplib.run.checkpoint_dir import InvalidCheckpoint, find_checkpoint, is_valid
-from looplib.run import resume
-from looplib.run.saving import Checkpoints
+from looplib.store.checkpoint_dir import InvalidCheckpoint, find_checkpoint, is_valid
+from looplib.store import resume
+from looplib.store.saving import Checkpoints
 from looplib.train_state import TrainState
 
 from conftest import REPO, run_cli
@@ -163,7 +163,7 @@ def rewrite_manifest(path: Path, edit) -> None:
 
 def refresh(path: Path, name: str) -> None:
     """Make the manifest agree with a changed file (as a careless copy or an attacker would)."""
-    from looplib.run.checkpoint_dir import sha256
+    from looplib.store.checkpoint_dir import sha256
 
     def edit(m):
         m["files"][name] = {"size": (path / name).stat().st_size, "sha256": sha256(path / name)}

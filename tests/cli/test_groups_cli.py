@@ -1,6 +1,6 @@
 """A group of one's own from the command line (the in-process tests: tests/unit/test_groups.py)."""
 import pytest
-from looplib.run.checkpoint_dir import read_config
+from looplib.store.checkpoint_dir import read_config
 
 from test_groups import notes_group  # noqa: F401 - helpers and fixtures the tests share
 

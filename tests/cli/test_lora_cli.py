@@ -85,7 +85,7 @@ def test_pretrain_then_fine_tune_with_init_from_and_lora(tmp_path):
     assert f"init_from: {pre}" in (ft / "config.yaml").read_text()
     # train_model: the same weights, from a checkpoint directory too
     (pre_step,) = (pre / "checkpoints").iterdir()
-    from looplib.run.init_from import init_from
+    from looplib.store.init_from import init_from
     import looplib.models
     small = looplib.models.GPT(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
     init_from(small, pre_step)

@@ -137,7 +137,7 @@ def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path, capsys
     sample = (run_dir / "sample.txt").read_text()
     assert sample.startswith("<|user|>\nadd ") and "<|assistant|>\n" in sample  # a held-out conversation, templated
     from looplib.cli.generate import default_prompt, main
-    from looplib.run.finished import load_hf, run_config
+    from looplib.store.finished import load_hf, run_config
     assert main([str(run_dir), "--prompt", "add 2 and 3", "--tokens", "3"]) == 0  # python -m looplib.generate
     printed = capsys.readouterr().out
     assert printed.startswith("<|user|>\nadd 2 and 3\n<|assistant|>\n"), printed

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looplib.run.checkpoint_dir import is_valid
+from looplib.store.checkpoint_dir import is_valid
 from looplib.errors import EXIT_PREEMPTED
 
 from conftest import REPO, run_cli
-from looplib.run.background import HOLD
+from looplib.store.background import HOLD
 from test_faults import start, wait_for
 
 spec = importlib.util.spec_from_file_location("kill_anywhere", REPO / "scripts" / "kill_anywhere.py")

@@ -11,8 +11,8 @@ import pytest
 import warm
 from conftest import random_tokens, tiny_gpt
 from looplib import train_model
-from looplib.run import lock
-from looplib.run.lock import DirectoryHeld
+from looplib.store import lock
+from looplib.store.lock import DirectoryHeld
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=60", "log_every=1", "eval_every=0",
        "eval_samples=4", "sample_tokens=0", "batch_size=4", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
@@ -168,7 +168,7 @@ def test_something_other_than_a_lock_file_at_the_lock_path_is_refused_before_hyd
 
 @pytest.mark.parametrize("kind", ["symlink to a file", "fifo"])
 def test_train_model_refuses_what_is_not_a_lock_file(tmp_path, kind):
-    """The same rule for ``train_model`` (it holds its directory in ``looplib.run.lock`` too)."""
+    """The same rule for ``train_model`` (it holds its directory in ``looplib.store.lock`` too)."""
     run_dir, outside = tmp_path / "run", tmp_path / "outside"
     run_dir.mkdir()
     not_a_lock(kind, run_dir / lock.LOCK_NAME, outside)
@@ -184,7 +184,7 @@ def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_
     directory is that live run's: refused in one line naming the job's directory (not only
     hydra.sweep.dir), exit 2, and the live run's .hydra/ (config.yaml, hydra.yaml, overrides.yaml)
     byte for byte as it was (Hydra rewrote them before any callback ran)."""
-    from looplib.run.background import HOLD
+    from looplib.store.background import HOLD
     from test_faults import start, wait_for
     from conftest import run_cli
     sweep = tmp_path / "sweep"

@@ -47,7 +47,7 @@ def same_run(cli, api, ranks=(0,)):
 def test_local_engine_cli_path_equals_train_model(tmp_path):
     assembly_worker.main(tmp_path, ["local"])
     same_run(tmp_path / "local" / "cli", tmp_path / "local" / "api")
-    from looplib.run.checkpoint_dir import read_config
+    from looplib.store.checkpoint_dir import read_config
     saved, cli = (read_config(tmp_path / "local" / way / "config.yaml") for way in ("api", "cli"))
     assert saved["max_steps"] == cli["max_steps"] == 4
     assert saved["optim"]["_target_"] == cli["optim"]["_target_"] == "looplib.optim.AdamW"
@@ -80,7 +80,7 @@ def test_train_model_under_torchrun_without_an_engine_trains_ddp_as_the_command_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cli, api = tmp_path / "none" / "cli", tmp_path / "none" / "api"
     same_run(cli, api, ranks=(0, 1))  # checkpoints step-2 and step-4 only, in each
-    from looplib.run.checkpoint_dir import read_config
+    from looplib.store.checkpoint_dir import read_config
     assert read_config(api / "config.yaml")["engine"]["_target_"] == "looplib.engines.ddp.DDP"
     assert read_config(cli / "config.yaml")["engine"]["_target_"] == "looplib.engines.DDP"  # (said: test_launch_default)
 
@@ -134,7 +134,7 @@ def test_train_model_refuses_in_one_line(tmp_path):
 
 
 def test_a_preempted_runs_newest_checkpoint_is_what_generate_and_load_finished_take(tmp_path, capsys):
-    """looplib.run.finished: a run stopped before its end has no exported weights; ``python -m
+    """looplib.store.finished: a run stopped before its end has no exported weights; ``python -m
     looplib.generate`` and the Python API load its newest checkpoint and say which, and take that
     checkpoint's directory itself too."""
     from conftest import run_cli

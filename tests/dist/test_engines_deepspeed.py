@@ -149,7 +149,7 @@ def test_cli_resume_through_deepspeeds_own_checkpoint(tmp_path, stage):
     full = tmp_path / "full"
     r = run_cli(*common, f"hydra.run.dir={full}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    from looplib.run.checkpoint_dir import is_valid
+    from looplib.store.checkpoint_dir import is_valid
     ckpts = sorted((full / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-00000002", "step-00000004"]  # no latest, zero_to_fp32.py: DeepSpeed's
     assert all(is_valid(c) is None for c in ckpts if c.is_dir())

@@ -21,7 +21,7 @@ from looplib.errors import ConfigError
 from looplib.evaluation import Evaluation, HalfWeights
 from looplib.optim import SGD, Adafactor, Adam8bit
 from looplib.precision import FP32
-from looplib.run.checkpoint_dir import is_valid
+from looplib.store.checkpoint_dir import is_valid
 from test_engines_ddp import QUICK, WEIGHT_ATOL, rows, torchrun
 
 # As for DDP (tests/dist/test_engines_ddp.py): two ranks sum their halves of each window in another

@@ -95,7 +95,7 @@ def test_two_processes_equal_one_and_resume_on_one(tiny_pretrained, tmp_path):
                         "number of processes), or start a new run")
 
     # the exported adapter loads with peft on the 4-bit base (as python -m looplib.generate does) and on model.path
-    from looplib.run.finished import load_hf, run_config
+    from looplib.store.finished import load_hf, run_config
     from looplib.quantize import is_4bit
     on_4bit = load_hf(two / "hf", torch.device("cpu"), run_config(two))[0]
     assert isinstance(on_4bit, peft.PeftModel) and sum(is_4bit(m) for m in on_4bit.modules()) == 14

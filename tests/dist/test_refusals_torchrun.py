@@ -54,10 +54,10 @@ def test_the_rank_that_refuses_says_why_and_the_other_says_it_stopped_because_of
 
 
 def test_a_run_directory_held_by_another_run_is_refused_by_rank_0_for_every_rank(tmp_path):
-    """Only rank 0 holds (and so refuses) the run directory (looplib.run.lock): it says whose it
+    """Only rank 0 holds (and so refuses) the run directory (looplib.store.lock): it says whose it
     is; rank 1, which never looked, says it stopped because rank 0 refused. Nothing is written
     into the held directory (no .hydra/ of either rank)."""
-    from looplib.run import lock
+    from looplib.store import lock
     held = tmp_path / "run"
     lock.hold(held, "hydra.run.dir")  # another run: this test's process
     try:
@@ -150,7 +150,7 @@ def test_a_refused_resume_under_two_ranks_never_rewrites_the_earlier_run(tmp_pat
                                           ({"engine": 3}, "engine is 3, not a name")])
 def test_a_damaged_geometry_record_is_a_refusal_naming_the_file(tmp_path, geometry, why):
     from looplib import ConfigError
-    from looplib.run.elastic import damaged, saved_geometry
+    from looplib.store.elastic import damaged, saved_geometry
     good = {"engine": "ddp", "format": "looplib", "world_size": 2, "batch_size": 4, "accum_steps": 1,
             "global_batch": 8}
     assert damaged({"geometry": good}) is None and damaged({}) is None
@@ -168,7 +168,7 @@ def test_what_is_not_a_lock_file_is_refused_under_torchrun_with_the_exit_file_wr
     directory there ended in a traceback with ``LOOPLIB_EXIT_FILE`` never written. Now rank 0
     refuses it in one line, the other rank says why it stopped, the exit file holds 2, and
     nothing is written (the file outside, the directory, no ``.hydra/``)."""
-    from looplib.run import lock
+    from looplib.store import lock
     run, outside = tmp_path / "run", tmp_path / "outside"
     run.mkdir()
     outside.write_text("precious\n")

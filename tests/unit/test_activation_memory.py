@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from looplib import AdamW
 from looplib.accumulation import Accumulation
-from looplib.checkpointing import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
+from looplib.activations import ActivationCheckpointing, Checkpointing, OffloadActivations, SelectiveCheckpointing
 from looplib.data import build_loader
 from looplib.engines import Engine
 from looplib.loop import fit

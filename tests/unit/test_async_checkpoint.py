@@ -1,5 +1,5 @@
 """checkpoint.async=true: the state is copied off the device at the step boundary and written by a
-thread while training goes on (looplib.run.background). What is written equals a synchronous
+thread while training goes on (looplib.store.background). What is written equals a synchronous
 checkpoint of the same moment byte for byte, whatever the steps after it do; one write at a time;
 rotation keeps the last complete checkpoint while the next is in flight; a failed write is a
 SaveError (74) at the next step boundary. (Resume after SIGTERM and after SIGKILL mid-write:
@@ -18,8 +18,8 @@ from looplib.errors import EXIT_IO, SaveError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import FP32
-from looplib.run.checkpoint_dir import find_checkpoint, is_valid
-from looplib.run.saving import Checkpoints
+from looplib.store.checkpoint_dir import find_checkpoint, is_valid
+from looplib.store.saving import Checkpoints
 from looplib.train_state import TrainState
 
 from conftest import gpu

@@ -19,9 +19,9 @@ from looplib.loop import fit
 from looplib.models import GPT
 from looplib.loss import TokenCrossEntropy
 from looplib.precision import FP32
-from looplib.run.checkpoint_dir import find_checkpoint
-from looplib.run import resume
-from looplib.run.saving import Checkpoints
+from looplib.store.checkpoint_dir import find_checkpoint
+from looplib.store import resume
+from looplib.store.saving import Checkpoints
 from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 

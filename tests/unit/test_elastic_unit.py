@@ -3,7 +3,7 @@ import pytest
 import torch
 from looplib.data.loading import EpochSampler, Epochs
 from looplib.errors import ConfigError
-from looplib.run.elastic import Geometry, check_epoch_end, split, what_changed
+from looplib.store.elastic import Geometry, check_epoch_end, split, what_changed
 
 
 def test_the_split_keeps_the_global_batch_and_names_the_counts_that_can():

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO, random_tokens, tiny_gpt
 from looplib import groups, train_model
-from looplib.run.checkpoint_dir import read_config
+from looplib.store.checkpoint_dir import read_config
 
 
 def test_docs_extending_holds_the_table_of_groups():

@@ -135,7 +135,7 @@ def test_a_vocabulary_larger_than_the_embeddings_is_refused(tiny_pretrained):
 
 
 def test_block_checkpointing_finds_transformers_layers_by_type_and_keeps_gradients(tiny_pretrained):
-    from looplib.checkpointing import ActivationCheckpointing
+    from looplib.activations import ActivationCheckpointing
     from looplib.hf import CausalLM
     from looplib.plan import default_checkpointing
     ids = ids_batch(2)

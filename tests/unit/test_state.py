@@ -15,11 +15,11 @@ from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.loss import TokenCrossEntropy
-from looplib.run.checkpoint_dir import find_checkpoint, is_valid
-from looplib.run import resume
+from looplib.store.checkpoint_dir import find_checkpoint, is_valid
+from looplib.store import resume
 from looplib.errors import NumericError
-from looplib.run.saving import Checkpoints
-from looplib.run.resume import check_resume_config
+from looplib.store.saving import Checkpoints
+from looplib.store.resume import check_resume_config
 from looplib.train_state import TrainState
 from looplib.telemetry import Telemetry
 
@@ -153,7 +153,7 @@ def test_a_malicious_pickle_is_refused_not_executed(tmp_path):
 
     (path / "state.pt").write_bytes(pickle.dumps({"optimizer": Evil()}))
     manifest = json.loads((path / "manifest.json").read_text())  # an attacker fixes the manifest too
-    from looplib.run.checkpoint_dir import sha256
+    from looplib.store.checkpoint_dir import sha256
     manifest["files"]["state.pt"] = {"size": (path / "state.pt").stat().st_size, "sha256": sha256(path / "state.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert "not unpickled" in is_valid(path)  # an invalid checkpoint: resume=auto skips it

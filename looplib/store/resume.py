@@ -4,9 +4,9 @@ restore itself.
 ``plan(engine, settings, record, run_dir)`` runs before the data, the model or the engine exist:
 it finds the checkpoint (``resume=auto``: the newest valid one of this run directory;
 ``resume=PATH``: that checkpoint or run directory), refuses what cannot resume, and chooses the
-split of the checkpoint's global batch on this run's processes (``looplib.run.elastic``).
+split of the checkpoint's global batch on this run's processes (``looplib.store.elastic``).
 ``resume(checkpoints, state, where, run_dir, max_steps, resumed)`` then loads it into the parts
-bound to ``checkpoints`` (``looplib.run.saving.Checkpoints``), in whichever form it holds model
+bound to ``checkpoints`` (``looplib.store.saving.Checkpoints``), in whichever form it holds model
 and optimizer state, and trims metrics rows written after it. A changed setting is accepted
 only if it cannot alter what the run computes (``SAFE_TO_CHANGE``; another split of the same
 global batch; a switch between the local engine, DDP and FSDP); any other change is refused
@@ -30,7 +30,7 @@ from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, 
                              set_rng_state, step_dirs, unwrap)
 from .rundir import EXPORTS, exported
 from .saving import Checkpoints
-from .settings import NOT_ARGUMENTS
+from ..run.settings import NOT_ARGUMENTS
 
 log = logging.getLogger("looplib")
 
@@ -166,7 +166,7 @@ def check_steps(path: Path, at: int, max_steps: int, run_dir: Path | None, expor
 def accepted_changes(checkpoints: Checkpoints, saved: dict, path: Path) -> list[str]:
     """Refuse a config change that alters the run (``ConfigError``); return the accepted ones.
     Another split of the same global batch on another number of processes, and a switch between
-    the local engine, DDP and FSDP, are not changes of the run (``looplib.run.elastic``)."""
+    the local engine, DDP and FSDP, are not changes of the run (``looplib.store.elastic``)."""
     if not checkpoints.config:  # no config known: nothing to compare
         return []
     saved, now = json.loads(json.dumps(saved)), json.loads(json.dumps(checkpoints.config))  # copies to edit

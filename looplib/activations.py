@@ -12,7 +12,7 @@
   copies out run on a side stream beside the forward's kernels.
 
 Not to be confused with the saved-state checkpoints of the top-level ``checkpoint:`` settings
-(saving a run to disk: ``looplib.run.saving``, ``looplib.run.checkpoint_dir``).
+(saving a run to disk: ``looplib.store.saving``, ``looplib.store.checkpoint_dir``).
 
 A wrapped submodule keeps its class, its parameters' names and its hooks: only its ``forward``
 attribute is replaced (``state_dict`` keys, safetensors files and resume are unchanged).

@@ -10,8 +10,8 @@ A checkpoint is a directory ``checkpoints/step-00000120/`` holding
     manifest.json       written last: size and sha256 of every other file
 
 This module reads and checks such directories (``inspect_checkpoint``, ``find_checkpoint``) and
-holds the file-level helpers the writer uses; ``looplib.run.saving`` decides when and what to
-save, ``looplib.run.resume`` what a resumed run may change.
+holds the file-level helpers the writer uses; ``looplib.store.saving`` decides when and what to
+save, ``looplib.store.resume`` what a resumed run may change.
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """Saving the run: when and what to save, written atomically, rotated; and the bad-step stop rule.
 
-(Not activation checkpointing, which is ``looplib.checkpointing``.)
+(Not activation checkpointing, the activation memory of ``looplib.activations``.)
 
 A checkpoint is a directory ``checkpoints/step-00000120/`` of five files (what each holds:
-``looplib.run.checkpoint_dir``, which reads and checks them; loading one and what a resume
-accepts: ``looplib.run.resume``). It is written into a temporary directory beside its final place, each
+``looplib.store.checkpoint_dir``, which reads and checks them; loading one and what a resume
+accepts: ``looplib.store.resume``). It is written into a temporary directory beside its final place, each
 file flushed to disk, then renamed: a directory without a valid manifest is not a checkpoint,
 and the previous checkpoints are deleted only after the new one is complete.
 
 With ``checkpoint.async=true`` the same files are written by a thread from a copy of the state
-taken at the step boundary (``looplib.run.background``): the loop waits only for the copy.
+taken at the step boundary (``looplib.store.background``): the loop waits only for the copy.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..errors import NumericError, SaveError
 from ..train_state import TrainState
 from .background import Background, Stager, hold_for_test
 from .checkpoint_dir import FORMAT, LOCAL_FILES, config_hash, config_text, rng_state, sha256, step_dirs, unwrap
-from .signals import Signals, held
+from ..run.signals import Signals, held
 
 log = logging.getLogger("looplib")
 
@@ -56,7 +56,7 @@ class Checkpoints:
         # checkpoint.async: the write in flight (None: every checkpoint is written before the loop goes on)
         self.background = Background() if asynchronous and self.root is not None else None
         self.stager: Stager | None = None  # made at the first asynchronous save
-        self.geometry: dict = {}  # engine, processes, batch_size, accum_steps (looplib.run.elastic.Geometry)
+        self.geometry: dict = {}  # engine, processes, batch_size, accum_steps (looplib.store.elastic.Geometry)
 
     def bind(self, *, model, optimizer, scheduler, precision, epochs, preemption=None) -> "Checkpoints":
         self.parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, precision=precision,

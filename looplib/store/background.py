@@ -8,7 +8,7 @@ state is copied off the device; a thread writes the copy while training goes on.
                              bytes being written). The staging buffers are kept and reused, so the
                              run holds one more copy of its checkpointed state in host memory.
     write (a thread)         the same files as a synchronous checkpoint, from the copy, manifest
-                             last (``looplib.run.saving``); FSDP's shards through DCP on a process
+                             last (``looplib.store.saving``); FSDP's shards through DCP on a process
                              group of their own (``looplib.engines.fsdp``).
 
 At most one write is in flight: the next checkpoint, the end of the run and a stop by signal

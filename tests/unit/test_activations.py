@@ -6,7 +6,7 @@ import torch
 
 from looplib import optim as lo
 from looplib.accumulation import Accumulation
-from looplib.checkpointing import ActivationCheckpointing, Checkpointing, is_checkpointed
+from looplib.activations import ActivationCheckpointing, Checkpointing, is_checkpointed
 from looplib.data import build_loader
 from looplib.errors import ConfigError
 from looplib.loop import fit

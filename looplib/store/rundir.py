@@ -26,7 +26,7 @@ from .checkpoint_dir import step_dirs
 from .lock import LOCK_NAME, DirectoryHeld, held_by
 
 HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
-NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.run.lock)
+NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.store.lock)
 
 
 def results(path: Path) -> list[str]:

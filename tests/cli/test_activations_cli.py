@@ -1,4 +1,4 @@
-"""Activation checkpointing through the command line (the in-process tests: tests/unit/test_checkpointing.py)."""
+"""Activation checkpointing through the command line (the in-process tests: tests/unit/test_activations.py)."""
 import pytest
 
 from conftest import run_cli

@@ -1,0 +1,16 @@
+"""What a run leaves on disk, and reads back: the run directory and its lock, saved checkpoints (when,
+what, atomically, in the background), which checkpoint a resume continues from and on what
+geometry, a finished run's exports, and weights read from a finished run.
+
+    rundir         what a run directory may hold; what a refused run leaves behind (nothing)
+    lock           one run per directory (a lock file every launcher meets)
+    saving         ``Checkpoints``: when and what to save, atomically; the bad-step rule
+    background     checkpoint writes in the background (checkpoint.async)
+    checkpoint_dir what a checkpoint directory holds, and the one check it passes before it is read
+    resume         which checkpoint a run continues from, which config changes it accepts, the restore
+    elastic        the geometry a checkpoint was saved on, and resuming on another
+    finished       a finished run's missing exports written on resume=auto
+    init_from      a finished run's weights into a new run's model (model.init_from)
+
+The run wing (``looplib.run``) drives these; nothing here imports the command line.
+"""
