@@ -3,7 +3,7 @@ reads a run's weights, and hands it to the objective (``Distill.take``) before t
 
 PATH is a transformers model directory (``save_pretrained``'s, a ``*ForCausalLM``: read as
 ``looplib.hf.CausalLM``), or a finished looplib run: its ``hf/`` export, else its config.yaml and
-model.safetensors, else its newest checkpoint (``looplib.run.finished``). A LoRA adapter is
+model.safetensors, else its newest checkpoint (``looplib.store.finished``). A LoRA adapter is
 refused (its base and adapter would be two reads: train the teacher with ``peft.merge=true``).
 
 Where the teacher's directory holds its tokenizer (a transformers directory's tokenizer.json; a
@@ -20,7 +20,7 @@ from torch import nn
 from ..data import identity
 from ..distill import KEY, TOKENS, refuse_sharding, same_vocabulary
 from ..errors import ConfigError
-from .finished import hf_directory, load_finished, newest_checkpoint, run_config
+from ..store.finished import hf_directory, load_finished, newest_checkpoint, run_config
 
 
 def provide(objective, corpus, model: nn.Module | None = None, engine=None) -> None:
