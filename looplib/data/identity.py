@@ -28,7 +28,8 @@ from ..atomic import make_dir_beside
 from ..errors import ConfigError
 
 MAX_LISTED = 10_000   # splits of more files keep one digest, not one per file
-WHAT = {"train": "the training data", "eval": "the held-out data", "tokenizer": "the tokenizer"}
+WHAT = {"train": "the training data", "eval": "the held-out data", "tokenizer": "the tokenizer",
+        "reference": "the DPO reference"}
 TOKENIZER_FILE = "tokenizer.json"   # a checkpoint's copy of the tokenizer trained on its data
 
 

@@ -68,6 +68,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     geometry = current(engine, s.batch_size, s.accum_steps)
     checkpoints.geometry = geometry.as_dict()  # what a resume may change
     checkpoints.identity = getattr(job.data, "fingerprint", lambda: None)()  # kept in every checkpoint, compared on resume
+    reference = getattr(job.objective, "identity", None)  # DPO's reference: its weights' digest or precomputed cache key
+    if isinstance(reference, dict):
+        checkpoints.identity = {**(checkpoints.identity or {}), "reference": reference}
     checkpoints.files = identity.checkpoint_files(job.data, checkpoints.identity)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything
