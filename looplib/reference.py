@@ -47,14 +47,21 @@ def weights_digest(model: torch.nn.Module, engine=None, skip: str = "lora_") -> 
     a peft model): names, dtypes, shapes and bytes. A sharded weight (FSDP2's DTensor) is hashed
     by its local shard; the ranks' digests are then combined (every rank gets the same one)."""
     inner = engine.unwrap(model) if engine is not None else model
-    h = hashlib.sha256()
+    h, hashed = hashlib.sha256(), 0
     for name, t in sorted(inner.state_dict(keep_vars=True).items()):
         if skip and skip in name or not isinstance(t, torch.Tensor):
             continue
+        t = getattr(t, "ds_tensor", t)  # a ZeRO-3 partition: its local part (the parameter itself is empty)
         t = t.detach()
         t = t.to_local() if hasattr(t, "to_local") else t
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        h.update(data)
+        hashed += len(data)
+    if not hashed and any(p.numel() for p in inner.parameters()):  # never a key that two models would share
+        raise ConfigError("loss", f"loss=dpo cannot read the starting weights of {type(inner).__name__} to identify its "
+                          "reference (no weight held any bytes on this process)",
+                          "use the local, DDP or FSDP engine, or +peft=lora")
     world = getattr(engine, "world_size", 1)
     if world == 1 or getattr(engine, "keeps_modules", True):
         return h.hexdigest()

@@ -194,3 +194,46 @@ def test_a_resume_whose_reference_weights_changed_is_refused(tmp_path, tiny_pret
     assert "DPO reference" in line and "Traceback" not in r.stderr and "new run" in line
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in (tmp_path / "cache").glob("reference-*")) == caches  # nothing computed either
+
+
+# --- the planner: python -m looplib.plan counts the reference ----------------------------------
+
+def dpo_plan(*overrides):
+    from hydra import compose, initialize_config_module
+
+    from looplib.cli.plan import build_plan
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["data=preference", "data.path=pairs.jsonl",
+                                                       "data.vocab_size=512", "loss=dpo", "batch_size=4", *overrides])
+    return cfg, build_plan(cfg, memory=2**30)
+
+
+def test_the_plan_counts_the_frozen_copy_and_nothing_for_lora_or_precomputed():
+    from looplib.cli.instantiate import instantiate
+    cfg, live = dpo_plan()
+    model = instantiate(cfg, "model")
+    objective = instantiate(cfg, "loss")
+    objective.attach(model)  # the copy a run takes: its bytes are the plan's
+    real = sum(t.untyped_storage().nbytes() for t in objective.reference.parameters())
+    assert live.reference == real > 0 and "frozen copy" in live.reference_kind
+    _, pre = dpo_plan("loss.reference=precomputed")
+    assert pre.reference == 0 and live.static - pre.static == real and live.peak(4) - pre.peak(4) == real
+    from hydra import compose, initialize_config_module
+
+    from looplib.cli.plan import build_plan
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        lm = build_plan(compose(config_name="config", overrides=["data=random", "batch_size=4"]), memory=2**30)
+    # a sample is a pair: two sequences' activations (the reference's forward saves none for backward)
+    assert live.act_plain.per_sample == pre.act_plain.per_sample == pytest.approx(2 * lm.act_plain.per_sample, rel=0.01)
+    pytest.importorskip("peft")
+    _, lora = dpo_plan("+peft=lora")
+    assert lora.reference == 0 and "adapters" in lora.reference_kind
+
+
+def test_python_m_looplib_plan_prints_the_reference_row(tmp_path):
+    r = run_cli("data=preference", "data.path=pairs.jsonl", "data.vocab_size=512", "loss=dpo", "--memory-gib", "16",
+                cwd=tmp_path, module="looplib.plan")
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if "DPO reference" in line)
+    weights = next(line for line in r.stdout.splitlines() if line.strip().startswith("weights ("))
+    assert row.split()[-4] == weights.split()[-4]  # the copy: as many bytes as the weights
