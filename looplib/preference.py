@@ -145,6 +145,12 @@ class DPO(Preference):
                              None)
         self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
         self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
+        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
+            # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
+            raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
+                              f"which looplib does not do yet under +engine={getattr(engine, 'label', '?')} (it "
+                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local or "
+                              "DDP engine")
         if self.mode == "precomputed":
             return  # computed once by ``prepare``, with the model as it is now: no copy
         if self.adapters is not None:

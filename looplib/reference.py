@@ -15,9 +15,10 @@ reference weights' digest, the data (the token caches, which pairs are in each s
 and never computes them again. The pairs then carry them (``PairExamples.reference``) into every
 batch (``reference_logps``): training runs no reference forward and keeps no second copy.
 
-Several processes share the pass (each computes every ``world``-th micro-batch of pairs; the
-ranks' arrays are summed) and rank 0 writes the cache; all ranks run as many forward passes, so
-a sharded model's collective forward works.
+Several processes (``+engine=ddp``) share the pass: each computes every ``world``-th micro-batch
+of pairs, the ranks' arrays are summed, rank 0 writes the cache. All ranks run as many forward
+passes (a sharded model's forward is collective), though engines that shard the weights are
+refused for now (``DPO.attach``: under FSDP2 the pass changed the first update).
 """
 from __future__ import annotations
 

@@ -140,6 +140,13 @@ def test_precomputed_without_prepare_and_on_other_data_is_refused(tmp_path, tok_
     with pytest.raises(ConfigError, match="loss.reference"):
         DPO(reference="cached")
 
+    class Sharding(Engine):  # FSDP2, DeepSpeed: a pass before training changed FSDP2's first update
+        keeps_modules, label = False, "fsdp"
+
+    with pytest.raises(ConfigError, match="engine=fsdp") as err:
+        DPO(reference="precomputed").attach(model, Sharding("cpu"))
+    assert err.value.key == "loss.reference"
+
 
 def test_precomputed_run_equals_the_live_run_and_its_resume_reads_the_cache(tmp_path):
     data = write_pairs(tmp_path)
@@ -237,3 +244,25 @@ def test_python_m_looplib_plan_prints_the_reference_row(tmp_path):
     row = next(line for line in r.stdout.splitlines() if "DPO reference" in line)
     weights = next(line for line in r.stdout.splitlines() if line.strip().startswith("weights ("))
     assert row.split()[-4] == weights.split()[-4]  # the copy: as many bytes as the weights
+
+
+def test_two_ddp_processes_share_the_pass_and_train_as_one_process_with_the_live_copy(tmp_path):
+    """+engine=ddp: each rank computes every other micro-batch of pairs, the ranks' arrays are
+    summed: the same losses and rewards as one process of twice the batch with the frozen copy."""
+    from test_engines_ddp import LOSS_RTOL, torchrun
+
+    job = ["data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", *TINY, "max_steps=3", "eval_every=3",
+           "+optim=sgd", "optim.momentum=0"]
+    two = torchrun("+engine=ddp", *job, "loss.reference=precomputed", "batch_size=2",
+                   f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert len(list((tmp_path / "cache").glob("reference-*/train.npy"))) == 1  # written once, by rank 0
+    one = run_cli(*job, "batch_size=4", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    read = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    rows = list(zip(read("two"), read("one")))
+    assert len(rows) >= 3
+    for a, b in rows:
+        for key in ("loss", "eval_loss", "reward_accuracy", "eval_reward_margin"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=LOSS_RTOL, abs=1e-5), key
