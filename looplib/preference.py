@@ -15,7 +15,13 @@ DPO compares the policy with a reference model, the policy as training started:
   (without gradients);
 - full fine-tuning: a frozen copy of the starting weights (no gradients, eval mode, on the
   policy's device): one more copy of the weights in their dtype (a 1B-parameter fp32 model:
-  4 GB more), and no optimizer state for it.
+  4 GB more), and no optimizer state for it;
+- ``loss.reference=precomputed`` (either): each pair's reference log-probabilities computed once
+  before training by ``prepare`` and cached (``looplib.reference``): no copy, no reference
+  forward while training; the pairs carry them into each batch (``reference_logps``).
+
+Every DPO objective knows its reference's ``identity`` (the starting weights' digest; with
+``precomputed`` the cache's key too): checkpoints keep it and a resume with another is refused.
 
 The reference is taken by ``attach(model, engine)``, which looplib's runs call once the model is
 on its device and before a resumed checkpoint is loaded, so a resumed run compares with the same

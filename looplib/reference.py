@@ -53,7 +53,7 @@ def weights_digest(model: torch.nn.Module, engine=None, skip: str = "lora_") -> 
         if skip and skip in name or not isinstance(t, torch.Tensor):
             continue
         t = getattr(t, "ds_tensor", t)  # a ZeRO-3 partition: its local part (the parameter itself is empty)
-        t = t.detach()
+        t = t.data if isinstance(t, torch.nn.Parameter) else t.detach()  # (a 4-bit weight: its packed bytes as they are)
         t = t.to_local() if hasattr(t, "to_local") else t
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -136,26 +136,29 @@ def compute(objective, model, examples, collate, engine, precision, batch_size: 
     return out.numpy()
 
 
-def read(where: Path, splits) -> list[np.ndarray] | None:
+def read(where: Path, splits, quiet: bool = False) -> list[np.ndarray] | None:
     """The cached arrays, when complete and of the splits' sizes (else None: computed again)."""
+    sizes = [len(s) for s in splits]
     try:
         meta = json.loads((where / "meta.json").read_text())
-        found = [np.load(where / f, allow_pickle=False) for f, _ in zip(FILES, splits)]
+        found = [np.load(where / f, allow_pickle=False) for f, _ in zip(FILES, sizes)]
     except (OSError, ValueError):
         return None
-    if meta.get("pairs") != [len(s) for s in splits] or any(a.shape != (len(s), 2) for a, s in zip(found, splits)):
-        log.warning("the DPO reference cache %s does not match the pairs: computing it again", where)
+    if meta.get("pairs") != sizes or any(a.shape != (n, 2) or a.dtype != np.float32 for a, n in zip(found, sizes)):
+        if not quiet:
+            log.warning("the DPO reference cache %s does not match the pairs: computing it again", where)
         return None
     return found
 
 
 def write(where: Path, arrays: list[np.ndarray]) -> None:
-    """Beside, then renamed into place (a reader sees all of it or nothing); best effort."""
+    """Beside, then renamed into place (a reader sees all of it or nothing); one writer at a time;
+    a cache that did not read back whole is replaced. Best effort: a failure is a warning."""
     try:
         with building(where.parent, where.name, f"the DPO reference cache {where}"):
-            if (where / "meta.json").is_file():
+            if read(where, arrays, quiet=True) is not None:  # written meanwhile by another run
                 return
-            shutil.rmtree(where, ignore_errors=True)  # (an incomplete one)
+            shutil.rmtree(where, ignore_errors=True)  # (an incomplete or damaged one)
             tmp = make_dir_beside(where, where.name + ".tmp")
             for f, a in zip(FILES, arrays):
                 np.save(tmp / f, a, allow_pickle=False)

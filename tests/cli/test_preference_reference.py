@@ -124,6 +124,13 @@ def test_the_cache_is_read_again_and_keyed_by_weights_and_data(tmp_path, tok_fil
     other.attach(gpt(tok.get_vocab_size(), seed=3))
     other.prepare(gpt(tok.get_vocab_size(), seed=3), pairs(tmp_path, tok_file, tok), CPU, Precision(), 4)
     assert other.identity["digest"] != first.identity["digest"]
+    cached = next(tmp_path.glob(f"cache/reference-{first.identity['digest']}/train.npy"))
+    cached.write_bytes(cached.read_bytes()[:-16])  # a damaged cache: computed again and replaced, never trained on
+    again, fresh = DPO(reference="precomputed"), pairs(tmp_path, tok_file, tok)
+    again.attach(start)
+    again.prepare(start, fresh, CPU, Precision(), 4)
+    assert (fresh.train.reference == computed).all() and len(cached.read_bytes()) > 0
+    assert ref.read(cached.parent, [fresh.train, fresh.eval]) is not None
     fewer = DPO(reference="precomputed")  # other pairs: another key
     fewer.attach(start)
     fewer.prepare(start, pairs(tmp_path, tok_file, tok, pair_rows(12)), CPU, Precision(), 4)
