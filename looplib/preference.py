@@ -145,18 +145,20 @@ class DPO(Preference):
         self.identity: dict | None = None  # the reference's (looplib.reference): kept in checkpoints, compared on resume
 
     def attach(self, model: torch.nn.Module, engine=None) -> None:
-        """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``."""
+        """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``
+        (``precomputed``: neither; ``prepare`` then runs the model once). Its identity is the
+        digest of the starting weights (``looplib.reference.weights_digest``)."""
         from .reference import weights_digest
         self.adapters = next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")),
                              None)
-        self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
-        self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
         if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
             # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
             raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
                               f"which looplib does not do yet under +engine={getattr(engine, 'label', '?')} (it "
                               "shards the weights)", "use +peft=lora with loss.reference=live there, or the local or "
                               "DDP engine")
+        self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
+        self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
         if self.mode == "precomputed":
             return  # computed once by ``prepare``, with the model as it is now: no copy
         if self.adapters is not None:
