@@ -137,7 +137,7 @@ def test_the_cache_is_read_again_and_keyed_by_weights_and_data(tmp_path, tok_fil
     assert len({first.identity["digest"], fewer.identity["digest"], other.identity["digest"]}) == 3
 
 
-def test_precomputed_without_prepare_and_on_other_data_is_refused(tmp_path, tok_file, tok):  # noqa: F811
+def test_precomputed_without_prepare_on_other_data_or_a_sharding_engine_is_refused(tmp_path, tok_file, tok):  # noqa: F811
     corpus = pairs(tmp_path, tok_file, tok)
     model = gpt(tok.get_vocab_size())
     objective = DPO(reference="precomputed")
@@ -146,6 +146,14 @@ def test_precomputed_without_prepare_and_on_other_data_is_refused(tmp_path, tok_
         objective(model, corpus.collate([corpus.train[i] for i in range(2)]))
     with pytest.raises(ConfigError, match="loss.reference"):
         DPO(reference="cached")
+
+    class Rows(torch.utils.data.Dataset):  # a corpus of one's own, without pairs to carry the values
+        def __len__(self):
+            return 2
+
+    other = type("Other", (), {"train": Rows(), "eval": None, "collate": None})()
+    with pytest.raises(ConfigError, match="data=preference"):
+        objective.prepare(model, other, CPU, Precision(), 2)
 
     class Sharding(Engine):  # FSDP2, DeepSpeed: a pass before training changed FSDP2's first update
         keeps_modules, label = False, "fsdp"
