@@ -56,9 +56,9 @@ def weights_digest(model: torch.nn.Module, engine=None, skip: str = "lora_") -> 
         t = t.data if isinstance(t, torch.nn.Parameter) else t.detach()  # (a 4-bit weight: its packed bytes as they are)
         t = t.to_local() if hasattr(t, "to_local") else t
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        h.update(data)
-        hashed += len(data)
+        data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        h.update(data)  # (its buffer: no copy)
+        hashed += data.nbytes
     if not hashed and any(p.numel() for p in inner.parameters()):  # never a key that two models would share
         raise ConfigError("loss", f"loss=dpo cannot read the starting weights of {type(inner).__name__} to identify its "
                           "reference (no weight held any bytes on this process)",
