@@ -15,7 +15,13 @@ DPO compares the policy with a reference model, the policy as training started:
   (without gradients);
 - full fine-tuning: a frozen copy of the starting weights (no gradients, eval mode, on the
   policy's device): one more copy of the weights in their dtype (a 1B-parameter fp32 model:
-  4 GB more), and no optimizer state for it.
+  4 GB more), and no optimizer state for it;
+- ``loss.reference=precomputed`` (either): each pair's reference log-probabilities computed once
+  before training by ``prepare`` and cached (``looplib.reference``): no copy, no reference
+  forward while training; the pairs carry them into each batch (``reference_logps``).
+
+Every DPO objective knows its reference's ``identity`` (the starting weights' digest; with
+``precomputed`` the cache's key too): checkpoints keep it and a resume with another is refused.
 
 The reference is taken by ``attach(model, engine)``, which looplib's runs call once the model is
 on its device and before a resumed checkpoint is loaded, so a resumed run compares with the same
@@ -33,7 +39,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -123,20 +129,38 @@ class DPO(Preference):
     difference of mean log-probabilities per completion token."""
 
     def __init__(self, beta: Positive[float] = 0.1, label_smoothing: NonNegative[float] = 0.0,
-                 type: Literal["sigmoid", "ipo"] = "sigmoid", ignore_index: int = -100):
+                 type: Literal["sigmoid", "ipo"] = "sigmoid", reference: Literal["live", "precomputed"] = "live",
+                 ignore_index: int = -100):
         super().__init__(beta, label_smoothing, ignore_index)
         if type not in ("sigmoid", "ipo"):
             raise ConfigError("loss.type", f"type={type!r} is not a DPO loss looplib has", "use loss.type=sigmoid or ipo")
         if type == "ipo" and label_smoothing:
             raise ConfigError("loss.label_smoothing", "loss.type=ipo takes no label smoothing",
                               "leave loss.label_smoothing=0 with loss.type=ipo")
-        self.type = type
+        if reference not in ("live", "precomputed"):
+            raise ConfigError("loss.reference", f"reference={reference!r} is not a way looplib keeps the reference",
+                              "use loss.reference=live (a frozen copy, or the adapters switched off) or precomputed")
+        self.type, self.mode = type, reference
         self.reference, self.adapters = None, None
+        self.identity: dict | None = None  # the reference's (looplib.reference): kept in checkpoints, compared on resume
 
     def attach(self, model: torch.nn.Module, engine=None) -> None:
-        """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``."""
+        """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``
+        (``precomputed``: neither; ``prepare`` then runs the model once). Its identity is the
+        digest of the starting weights (``looplib.reference.weights_digest``)."""
+        from .reference import weights_digest
         self.adapters = next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")),
                              None)
+        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
+            # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
+            raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
+                              f"which looplib does not do yet under +engine={getattr(engine, 'label', '?')} (it "
+                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local or "
+                              "DDP engine")
+        self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
+        self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
+        if self.mode == "precomputed":
+            return  # computed once by ``prepare``, with the model as it is now: no copy
         if self.adapters is not None:
             log.info("DPO reference: the model with its LoRA adapters switched off (no second copy)")
             return
@@ -150,24 +174,42 @@ class DPO(Preference):
         size = sum(t.numel() * t.element_size() for t in self.reference.state_dict().values())
         log.info("DPO reference: a frozen copy of the starting weights (%.1f MB)", size / 2**20)
 
+    def prepare(self, model, corpus, engine, precision, batch_size: int) -> None:
+        """``loss.reference=precomputed``: every pair's reference log-probabilities, computed once
+        before training (or read from their cache) and carried by the pairs (``looplib.reference``)."""
+        if self.mode == "precomputed":
+            from .reference import precompute
+            if self.identity is None:
+                self.attach(model, engine)
+            self.identity["digest"] = precompute(self, model, corpus, engine, precision, batch_size)
+
     @contextmanager
     def switched_off(self, model):
         was = model.training
         model.eval()
         try:
-            with self.adapters.disable_adapter():
+            with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
                 yield
         finally:
             model.train(was)
 
-    def reference_logps(self, model, batch):
-        if self.reference is None and self.adapters is None:
+    def reference_logps(self, model, batch, live: bool = False):
+        """The reference's summed log-probability of each row's completion: the batch's own
+        (``reference_logps``, precomputed) or a forward pass (``live``: the precomputing pass)."""
+        if not live and "reference_logps" in batch:
+            return batch["reference_logps"], None
+        if self.mode == "precomputed" and not live:
+            raise ConfigError("loss.reference", "loss.reference=precomputed got a batch without the reference's "
+                              "log-probabilities (prepare(model, corpus, engine, precision, batch_size) was not called)",
+                              "call objective.prepare(...) once before training (looplib's runs do it), or use "
+                              "loss.reference=live")
+        if self.reference is None and self.adapters is None and self.mode != "precomputed":
             raise ConfigError("loss", "loss=dpo has no reference model: attach(model, engine) was not called",
                               "call objective.attach(model) before training (looplib's runs do it)")
         with torch.no_grad():
             if self.reference is not None:
                 return self.logps(self.reference, batch)
-            with self.switched_off(model):
+            with self.switched_off(model):  # precomputed without adapters: the model as it starts
                 return self.logps(model, batch)
 
     def __call__(self, model, batch) -> torch.Tensor:

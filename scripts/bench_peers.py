@@ -10,7 +10,8 @@ Workloads (scripts/peers/spec.py): ``pretrain`` (Llama-3.2-1B-shaped, random wei
 torchtitan, the HF Trainer), ``gpt2`` (GPT-2 small: looplib, the HF Trainer; llm.c's published
 per-H100 rate as the record line), ``qlora`` (a Llama-3.2-3B-shaped base written once, NF4, LoRA on
 every linear layer, instruct data, sequence 2048: looplib, the HF Trainer + peft + bitsandbytes,
-unsloth). The data rows (and the initial weights, where a framework reads Hugging Face weights)
+unsloth), ``dpo`` (preference pairs, ``loss=dpo`` beside TRL's DPOTrainer, the rate in pairs/s:
+scripts/peers/dpo.py). The data rows (and the initial weights, where a framework reads Hugging Face weights)
 are written once into --work and read by every framework in the same order. Per row: tokens/s of
 the median step after the warm-up steps (every input token of the global batch), the peak of the
 allocator (peak RSS on a CPU), the loss at the last step, the settings, and a status: ``ok``,
@@ -40,6 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
+import dpo  # noqa: E402
+from table import markdown, ratios, write  # noqa: E402,F401 (the table and its ratios)
 from spec import WORKLOADS, job, write_data, write_model  # noqa: E402
 
 # looplib's settings per workload (command-line overrides): its best known for the job. GPT-2 small leaves
@@ -52,6 +55,7 @@ LOOPLIB = {
     "gpt2": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "model.pad_vocab_to=64", "+compile=default",
              "compile.loss=true"],
     "qlora": ["+precision=bf16", "+optim=adamw", "optim.impl=fused", "+checkpointing=blocks", "loss=lm_liger"],
+    "dpo": dpo.LOOPLIB_SETTINGS["gpu"],
 }
 # a GPU machine here reaches no network: every library is told so, and fails fast instead of waiting on one
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -69,13 +73,20 @@ TRAINER = {
 UNSLOTH = {"bf16": True, "optim": "adamw_torch_fused"}  # unsloth's own gradient checkpointing ("unsloth")
 TINY_TRAINER = {"optim": "adamw_torch"}  # fp32, eager: what looplib_same runs too (+optim=adamw optim.impl=for-loop)
 TINY_SHAPE = {"pretrain": "a 2-layer Llama, 64 wide, vocabulary 512", "gpt2": "a 2-layer GPT-2, 64 wide, vocabulary 512",
-              "qlora": "a 2-layer Llama base, 64 wide, vocabulary 512"}
-ROW_LIMIT_S = {"pretrain": 90, "gpt2": 60, "qlora": 80}  # per row on a GPU (--row-limit overrides)
+              "qlora": "a 2-layer Llama base, 64 wide, vocabulary 512",
+              "dpo": "a 2-layer Llama, 64 wide, a BPE vocabulary of up to 512 trained on the pairs"}
+ROW_LIMIT_S = {"pretrain": 90, "gpt2": 60, "qlora": 80, "dpo": 90}  # per row on a GPU (--row-limit overrides)
 
 
 def settings_of(framework: str, workload: str, spec: dict, tiny: bool) -> tuple[list[str] | dict, str]:
     """(the framework's own settings, the words for the row). Common to every row of a workload:
     the spec's model, data, batch, steps, AdamW hyperparameters, clipping and seed."""
+    if workload == "dpo" and framework in ("looplib", "trl"):
+        side = "cpu" if tiny else "gpu"
+        if framework == "trl":
+            return dict(dpo.TRL_SETTINGS[side]), "DPOConfig " + ", ".join(f"{k}={v}" for k, v in
+                                                                         dpo.TRL_SETTINGS[side].items())
+        return list(dpo.LOOPLIB_SETTINGS[side]), " ".join(dpo.LOOPLIB_SETTINGS[side])
     if framework == "looplib":
         overrides = list(LOOPLIB[workload])
         if tiny:
@@ -137,7 +148,8 @@ def looplib_command(workload: str, spec: dict, overrides: list[str], run_dir: Pa
 def run_looplib(workload, spec, overrides, work: Path, limit: float) -> dict:
     run_dir = work / "runs" / f"{workload}-{spec['framework']}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = looplib_command(workload, spec, overrides, run_dir, work / f"{workload}-model", work / f"{workload}-data")
+    args = dpo.looplib_command(spec, overrides, run_dir) if workload == "dpo" else \
+        looplib_command(workload, spec, overrides, run_dir, work / f"{workload}-model", work / f"{workload}-data")
     env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(PEERS), os.environ.get("PYTHONPATH", "")]),
            "LOOPLIB_PLOT": "0"}
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=limit)
@@ -154,6 +166,7 @@ def run_looplib(workload, spec, overrides, work: Path, limit: float) -> dict:
     result["peak_mem_mb"] = max(r["peak_mem_mb"] for r in train)  # the run's own (allocator on a GPU)
     compiled = next((r for r in reversed(rows) if "compile_s" in r), {})
     result.update(status="ok", command=command, compile_s=compiled.get("compile_s"))
+    result = dpo.pairs_per_s(spec, result) if workload == "dpo" else result
     for extra in (run_dir / "hf", run_dir / "model.safetensors"):  # the export: gigabytes for a 1B model
         shutil.rmtree(extra, ignore_errors=True) if extra.is_dir() else extra.unlink(missing_ok=True)
     return result
@@ -183,7 +196,7 @@ def run_runner(script: str, spec: dict, work: Path, limit: float) -> dict:
 
 def why_not(framework: str, device: str) -> str | None:
     """A peer that cannot be installed or run here: why (None: try it)."""
-    needs = {"torchtitan": "torchtitan", "unsloth": "unsloth", "hf_trainer": "transformers"}.get(framework)
+    needs = {"torchtitan": "torchtitan", "unsloth": "unsloth", "hf_trainer": "transformers", "trl": "trl"}.get(framework)
     if needs and importlib.util.find_spec(needs) is None:
         return f"{needs} is not installed (pip install {needs}; docs/testing.md lists the wheels for a GPU machine)"
     if framework == "unsloth" and not device.startswith("cuda"):
@@ -210,6 +223,8 @@ def run_row(workload: str, framework: str, spec: dict, work: Path, limit: float)
             result = run_looplib(workload, spec, settings, work, limit)
         elif framework == "torchtitan":
             result = run_runner("titan.py", spec, work, limit)
+        elif framework == "trl":
+            result = run_runner("dpo.py", dict(spec, trainer=settings), work, limit)
         else:
             result = run_runner("hf_trainer.py", dict(spec, trainer=settings), work, limit)
     except subprocess.TimeoutExpired:
@@ -219,69 +234,11 @@ def run_row(workload: str, framework: str, spec: dict, work: Path, limit: float)
     return {**row, **result, "settings": row["settings"], "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def ratios(rows: list[dict]) -> dict:
-    """looplib's tokens/s and peak memory as multiples of each peer's, per workload (ok rows only)."""
-    out = {}
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        ours = next((r for r in rows if r["workload"] == workload and r["framework"] == "looplib"
-                     and r["status"] == "ok"), None)
-        if ours is None:
-            continue
-        out[workload] = {r["framework"]: {"speed_x": ours["tokens_per_s"] / r["tokens_per_s"],
-                                          "memory_x": ours["peak_mem_mb"] / r["peak_mem_mb"]}
-                         for r in rows if r["workload"] == workload and r["framework"] != "looplib"
-                         and r["status"] == "ok"}
-        record = WORKLOADS[workload].get("record")
-        if record and not rows_tiny(rows):
-            out[workload]["record"] = {"name": record[0], "tokens_per_s": record[1],
-                                       "speed_x": ours["tokens_per_s"] / record[1]}
-    return out
-
-
-def rows_tiny(rows):
-    return any(r.get("tiny") for r in rows)
-
-
-def fmt(x, spec=",.0f"):
-    return "-" if x is None else format(x, spec)
-
-
-def markdown(data: dict) -> str:
-    lines = [f"# looplib beside its peers ({data['device']})", "", f"`{data['command']}`, {data['date']}", "",
-             "tokens/s: the global batch's input tokens over the median step after the warm-up steps; peak MB: the "
-             "allocator's peak (torch.cuda.max_memory_allocated; on a CPU the process's peak RSS); looplib x: "
-             "looplib's figure over the row's.", ""]
-    for workload in dict.fromkeys(r["workload"] for r in data["rows"]):
-        rows = [r for r in data["rows"] if r["workload"] == workload]
-        w = data["ratios"].get(workload, {})
-        lines += [f"### {rows[0].get('title', workload)}", "",
-                  "| framework | status | tokens/s | looplib x | peak MB | looplib memory x | loss at last step | settings |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            x = w.get(r["framework"], {})
-            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
-            lines.append(f"| {r['framework']} | {status} | {fmt(r['tokens_per_s'])} | {fmt(x.get('speed_x'), '.2f')} | "
-                         f"{fmt(r['peak_mem_mb'])} | {fmt(x.get('memory_x'), '.2f')} | {fmt(r['loss'], '.4f')} | "
-                         f"{r['settings']} |")
-        record = w.get("record")
-        if record:
-            lines.append(f"| {record['name']} | record | {record['tokens_per_s']:,} | {record['speed_x']:.2f} | - | - | - "
-                         "| llm.c's 140 ms per 524,288-token step on 8 H100s |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def device_name(device: str) -> str:
     import torch
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu ({os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} thread(s))"
-
-
-def write(out: Path, data: dict) -> None:
-    data["ratios"] = ratios(data["rows"])
-    (out / "peers.json").write_text(json.dumps(data, indent=2))
-    (out / "peers.md").write_text(markdown(data))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,12 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     for workload in names:
         spec = dict(job(workload, args.tiny), device=device)
         frameworks = (args.frameworks.split(",") if args.frameworks else
-                      WORKLOADS[workload]["frameworks"] + (["looplib_same"] if args.tiny else []))
+                      WORKLOADS[workload]["frameworks"] + (["looplib_same"] if args.tiny and workload != "dpo" else []))
         frameworks = [f for f in frameworks if f]
         t0 = time.perf_counter()
-        write_data(spec, work / f"{workload}-data")
+        data_writer, model_writer = (dpo.write_data, dpo.write_model) if workload == "dpo" else (write_data, write_model)
+        spec.update(data_dir=str(data_writer(spec, work / f"{workload}-data")))  # (dpo: pairs; a tokenizer trained on them)
         if any(f != "torchtitan" for f in frameworks) and importlib.util.find_spec("transformers"):
-            write_model(spec, work / f"{workload}-model", device=device if device.startswith("cuda") else "cpu")
+            model_writer(spec, work / f"{workload}-model", device=device if device.startswith("cuda") else "cpu")
         print(f"{workload}: data and initial weights in {work} ({time.perf_counter() - t0:.0f} s)", flush=True)
         limit = args.row_limit or (600 if args.tiny else ROW_LIMIT_S[workload])
         for framework in frameworks:
@@ -348,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] = [r for r in data["rows"] if (r["workload"], r["framework"]) != (workload, framework)]
             data["rows"].append(row)
             write(args.out, data)
-            figure = f"{row['tokens_per_s']:,.0f} tokens/s" if row["status"] == "ok" else row.get("reason", "")
+            figure = (f"{row['pairs_per_s']:,.1f} pairs/s" if row.get("pairs_per_s") else
+                      f"{row['tokens_per_s']:,.0f} tokens/s") if row["status"] == "ok" else row.get("reason", "")
             print(f"{workload:<9} {framework:<13} {row['status']:<9} {figure}", flush=True)
     write(args.out, data)
     print("\n" + (args.out / "peers.md").read_text())

@@ -11,6 +11,7 @@
 #     bash scripts/gpu_figures.sh OUT speed                      # 490 s
 #     bash scripts/gpu_figures.sh OUT peers_gpt2 peers_qlora     # 400 s
 #     bash scripts/gpu_figures.sh OUT peers_pretrain             # 360 s   (`peers` runs all three workloads)
+#     bash scripts/gpu_figures.sh OUT peers_dpo                  # 240 s   (issue 40: loss=dpo beside TRL's DPOTrainer)
 #   speed          = speed_ladder (420 s) + speed_bert (70 s)
 #   speed_ladder   GPT-2 small ladder (LADDER_ROWS=a,b,... picks rows) to its best combination: eager, compile (padded vocabulary), compiled
 #                  loss, Liger loss, compiled optimizer step, CUDA graphs over forward/backward/optimizer,
@@ -19,7 +20,7 @@
 #                  and said so (150 s held eager, compile and --best on an H200). target: >= 460,000 tokens/s
 #   speed_bert     BERT-large's fastest row (bf16, fused AdamW, compiled model and loss, largest micro-batch)
 #                  beside vanilla. target: >= 315 samples/s
-#   peers_WORKLOAD scripts/bench_peers.py, one workload each (gpt2 200 s, qlora 200 s, pretrain 360 s) into
+#   peers_WORKLOAD scripts/bench_peers.py, one workload each (gpt2 200 s, qlora 200 s, pretrain 360 s, dpo 240 s) into
 #                  OUT/peers/ (peers.md, peers.json; rows merge as they finish; a row its part's budget leaves
 #                  out is written as not run). The GPT-2 job's shapes are the ladder's (micro-batch 8), so
 #                  looplib's row reuses the ladder's compiled kernels (cache) when both run in one call.
@@ -143,8 +144,8 @@ loss=classification batch_size=4 +precision=fp16 +optim=adam8bit" ;;
             --out "$results/speed_ladder"
         part speed_bert 70 $py scripts/bench_guides.py --rows fastest --trainer-rows none --steps 16 \
             --out "$results/speed_bert" ;;
-    peers|peers_gpt2|peers_pretrain|peers_qlora)
-        [ "$p" = peers ] && ws="gpt2:200 qlora:200 pretrain:360" || ws=$(grep -o "${p#peers_}:[0-9]*" <<<"gpt2:200 qlora:200 pretrain:360")
+    peers|peers_gpt2|peers_pretrain|peers_qlora|peers_dpo)
+        [ "$p" = peers ] && ws="gpt2:200 qlora:200 pretrain:360" || ws=$(grep -o "${p#peers_}:[0-9]*" <<<"gpt2:200 qlora:200 pretrain:360 dpo:240")
         for w in $ws; do
             l=$(limit "peers_${w%:*}" "${w#*:}")
             part "peers_${w%:*}" "$l" $py scripts/bench_peers.py --workloads "${w%:*}" --budget-s $((l - 10)) \
@@ -181,7 +182,7 @@ tests/unit/test_async_checkpoint.py -k cuda && $py scripts/bench_checkpoint.py -
 --dir ${CKPT_DIR:-$results} --out $results/checkpoint_stall" ;;
     time_to_loss) part time_to_loss 560 $py scripts/bench_time_to_loss.py --jobs gpt2 --recipes adamw+cosine,muon+wsd \
         --lrs 1e-3,3e-3 --seeds 1 --eval-every 20 --threads 8 --out "$results/time_to_loss" ;;
-    *) echo "unknown part $p (choose from: $all speed peers peers_gpt2 peers_qlora peers_pretrain speed_mfu speed_mfu2 speed_loss speed_guides \
+    *) echo "unknown part $p (choose from: $all speed peers peers_gpt2 peers_qlora peers_pretrain peers_dpo speed_mfu speed_mfu2 speed_loss speed_guides \
 speed_overhead speed_guides2 speed_profile speed_tests memory_qlora memory_activations memory_tests \
 memory_qlora_fsdp checkpoint_stall time_to_loss)"; exit 2 ;;
     esac

@@ -29,7 +29,8 @@ from ..errors import ConfigError
 
 MAX_LISTED = 10_000   # splits of more files keep one digest, not one per file
 WHAT = {"train": "the training data", "eval": "the held-out data", "tokenizer": "the tokenizer",
-        "teacher": "the distillation teacher (loss.teacher)"}  # the teacher: looplib.distill.Distill.fingerprint
+        "teacher": "the distillation teacher (loss.teacher)",
+        "reference": "the DPO reference"}  # the teacher: looplib.distill.Distill.fingerprint
 TOKENIZER_FILE = "tokenizer.json"   # a checkpoint's copy of the tokenizer trained on its data
 
 

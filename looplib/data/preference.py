@@ -143,6 +143,7 @@ class PairExamples(Dataset):
                  truncation: Truncation = "prompt_start"):
         self.data, self.docs, self.seq_len, self.keep, self.truncation = data, docs, seq_len, keep, truncation
         self.chosen_len = np.asarray(data.labels or [], dtype=np.int64)
+        self.reference: np.ndarray | None = None  # [pairs, 2]: loss.reference=precomputed's (looplib.reference)
 
     def __len__(self):
         return len(self.docs)
@@ -186,8 +187,11 @@ class PairExamples(Dataset):
     def __getitem__(self, i):
         (c, ct), (r, rt) = self.sequences(i)
         chosen, rejected = next_token_example(c, ct), next_token_example(r, rt)
-        return {"chosen_input_ids": chosen["input_ids"], "chosen_labels": chosen["labels"],
-                "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"]}
+        out = {"chosen_input_ids": chosen["input_ids"], "chosen_labels": chosen["labels"],
+               "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"]}
+        if self.reference is not None:  # the reference's (chosen, rejected) log-probabilities, computed once
+            out["reference_logps"] = torch.from_numpy(self.reference[i].copy())
+        return out
 
 
 class PairCollate:
@@ -207,4 +211,7 @@ class PairCollate:
         for i, (x, y) in enumerate(zip(ids, labels)):
             batch["input_ids"][i, :len(x)], batch["labels"][i, :len(y)], batch["attention_mask"][i, :len(x)] = x, y, 1
         batch["chosen"] = torch.arange(len(ids)) < len(rows)
+        if all("reference_logps" in r for r in rows):  # in the rows' order: the chosen ones, then the rejected ones
+            both = torch.stack([r["reference_logps"] for r in rows])
+            batch["reference_logps"] = torch.cat([both[:, 0], both[:, 1]])
         return batch

@@ -229,14 +229,22 @@ def strategy_bytes(s: Saved) -> dict[str, tuple[int, int, int]]:
 
 def activation_uses(model: nn.Module, objective, seq_len: int, dtype: torch.dtype | None,
                     chosen: list[str], keep: Sequence[str]) -> dict[str, ActivationUse]:
-    """Every strategy's ``ActivationUse`` on the chosen modules: two meta-device forwards (micro-batch 1 and 2)."""
-    runs = [strategy_bytes(measure_saved(model, objective, meta_batch(objective, b, seq_len), dtype, chosen, keep))
+    """Every strategy's ``ActivationUse`` on the chosen modules: two meta-device forwards (micro-batch 1 and 2).
+    A preference objective's sample is a pair (two sequences): its policy forward is measured (the
+    reference's forward saves nothing for backward)."""
+    measured = objective
+    if getattr(objective, "pairs", False):
+        measured = lambda model, batch: objective.logps(model, batch)[0].sum()  # noqa: E731
+    runs = [strategy_bytes(measure_saved(model, measured, meta_batch(objective, b, seq_len), dtype, chosen, keep))
             for b in (1, 2)]
     return {name: ActivationUse(*(Activations.line(runs[0][name][i], runs[1][name][i]) for i in range(3)))
             for name in STRATEGIES}
 
 
 def meta_batch(objective, size: int, seq_len: int) -> dict:
+    if getattr(objective, "pairs", False):  # ``size`` pairs: the chosen sequences, then the rejected ones
+        ids = torch.zeros(2 * size, seq_len, dtype=torch.long, device="meta")
+        return {"input_ids": ids, "labels": ids, "chosen": torch.arange(2 * size) < size}
     ids = torch.zeros(size, seq_len, dtype=torch.long, device="meta")
     labels = torch.zeros(size, dtype=torch.long, device="meta") if isinstance(objective, SequenceCrossEntropy) \
         else torch.zeros(size, seq_len, dtype=torch.long, device="meta")

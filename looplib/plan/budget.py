@@ -45,6 +45,8 @@ class Plan:
     four_bit: bool = False                         # a 4-bit base (+peft=qlora): FSDP shards it, DeepSpeed refuses it
     sharded4: Sharded4bit | None = None            # its layout under FSDP2 (four_bit only)
     engine: str = "local"                          # the configured engine (+engine=...)
+    reference: int = 0                             # loss=dpo's frozen copy of the weights (full fine-tuning)
+    reference_kind: str = ""                       # how loss=dpo keeps its reference ("": no reference)
 
     def fsdp(self, offload: bool = False) -> int:
         """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
@@ -71,7 +73,7 @@ class Plan:
 
     @property
     def static(self) -> int:
-        return self.weights + self.copies + self.gradients + self.optim_state
+        return self.weights + self.reference + self.copies + self.gradients + self.optim_state
 
     @property
     def activations(self) -> ActivationUse:
@@ -97,7 +99,7 @@ class Plan:
         use = self.activations
         kept = self.copies - (self.copies_freed if self.checkpointing_on else 0)
         act = max(self.copies + use.device.at(micro_batch), kept + use.at(micro_batch))
-        held = self.weights + self.optim_state
+        held = self.weights + self.reference + self.optim_state
         return held + (self.gradients + act if self.accum_steps > 1 else max(self.copies + self.gradients, act))
 
     def zero_layout(self) -> tuple[int, int, int]:
@@ -147,9 +149,24 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
         uses["offload"].host.fixed += plan.copies_freed  # offload packs them to host memory with the rest
     if not isinstance(factory, lo.Adam8bit):
         plan.adam8bit_state = adam8bit_rule(model)
+    plan.reference, plan.reference_kind = reference_bytes(objective, model)
     if dtype is None:
         plan.act_plain_bf16 = activation_uses(model, objective, seq_len, torch.bfloat16, chosen, ())["none"]
     return plan
+
+
+def reference_bytes(objective, model) -> tuple[int, str]:
+    """``loss=dpo``'s reference (``looplib.preference.DPO.attach``): full fine-tuning with
+    ``loss.reference=live`` keeps a frozen copy of every weight, in its dtype (``weight_bytes``
+    again); under ``+peft`` the adapters are switched off and ``precomputed`` keeps no model: none."""
+    mode = getattr(objective, "mode", None) if hasattr(objective, "attach") else None
+    if mode is None:
+        return 0, ""
+    if mode == "precomputed":
+        return 0, "precomputed log-probabilities (no copy)"
+    if any("lora_" in name for name, _ in model.named_parameters()):
+        return 0, "the adapters switched off (no copy)"
+    return weight_bytes(model), "a frozen copy of the weights"
 
 
 def device_memory(device: torch.device) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from ..groups import groups
 from ..train_state import TrainState
 from . import autobatch, rules
 from ..store.checkpoint_dir import config_text
+from ..store.resume import check_reference
 from .settings import Settings
 
 
@@ -182,6 +183,11 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     attach = getattr(job.objective, "attach", None)  # an objective that keeps the starting model (DPO's reference)
     if attach is not None:  # before a resumed checkpoint is loaded, and before batch_size=auto probes memory
         attach(job.model, engine)
+        check_reference(getattr(job.objective, "identity", None))  # a resume whose reference changed: refused now
+    prepare = getattr(job.objective, "prepare", None)  # loss.reference=precomputed: the pass over every pair, once
+    if prepare is not None:
+        prepare(job.model, job.data, engine, job.precision,
+                settings.batch_size if isinstance(settings.batch_size, int) else 1)
     if settings.batch_size == "auto":  # the largest micro-batch that fits, then accumulation
         # probed eager, before compiling: probing a compiled model with several batch sizes would
         # leave it a dynamic-shape graph (slower kernels) for the size finally chosen

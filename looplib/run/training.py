@@ -71,6 +71,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     taught = getattr(job.objective, "fingerprint", lambda: None)()  # loss=distill: its teacher's weights, compared too
     if taught is not None:
         checkpoints.identity = {**(checkpoints.identity or {}), "teacher": taught}
+    reference = getattr(job.objective, "identity", None)  # DPO's reference: its weights' digest or precomputed cache key
+    if isinstance(reference, dict):
+        checkpoints.identity = {**(checkpoints.identity or {}), "reference": reference}
     checkpoints.files = identity.checkpoint_files(job.data, checkpoints.identity)
     logged = logged_steps(metrics) if s.resume and metrics else {}  # before resume() cuts the rows
     if s.resume:  # the Python API refuses resume without run_dir before building anything

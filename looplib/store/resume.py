@@ -95,6 +95,21 @@ def expected_identity(where: str | None, run_dir: Path | None) -> identity.Expec
     return None
 
 
+def check_reference(now: dict | None) -> None:
+    """A DPO run resumed with another reference (its starting weights changed: a model directory
+    edited, another ``model.path``) would continue against other log-probabilities: refused
+    before anything is computed, naming both digests (``looplib.reference``)."""
+    e = identity.expected()
+    saved = e.get("reference") if e is not None else None
+    if not isinstance(saved, dict) or not isinstance(now, dict) or saved.get("weights") == now.get("weights"):
+        return
+    raise ConfigError("resume", f"the DPO reference's weights differ from those the checkpoint {e.checkpoint} was "
+                      f"trained against (digest {str(saved.get('weights'))[:12]} then, {str(now.get('weights'))[:12]} "
+                      "now), so the resumed run would compare with another model",
+                      "start from the same weights (model.path, model settings) to continue this run, or start a "
+                      "new run in a new directory (without resume)")
+
+
 def locate(where: str, run_dir: Path | None) -> tuple[Path | None, dict | None]:
     """The checkpoint ``resume=where`` names (``auto``: the newest valid one of ``run_dir``), every
     file checked against its manifest; ``(None, None)`` when ``auto`` finds none."""

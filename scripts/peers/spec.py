@@ -47,6 +47,12 @@ WORKLOADS = {
         lora=dict(r=16, alpha=16, dropout=0.0,
                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
         frameworks=["looplib", "hf_trainer", "unsloth"]),
+    "dpo": dict(  # scripts/peers/dpo.py: its model (a tokenizer trained on the pairs), pairs, TRL's runner
+        title="DPO: Llama-3.2-1B's body over an 8k BPE vocabulary trained on the pairs, full fine-tuning (the "
+              "reference a frozen copy), sigmoid loss beta 0.1, sequence 1024, bf16; the rate in pairs/s",
+        model=dict(vocab_size=8192), tiny_model=dict(vocab_size=512), data="pairs", seq_len=1024, tiny_seq_len=64,
+        micro_batch=4, accum=2, steps=12, warmup=5, tiny_steps=12, tiny_warmup=4, lr=5e-6,  # tiny: 8 timed steps
+        frameworks=["looplib", "trl"]),
 }
 # tiny jobs take large steps, so that a difference in any setting between two frameworks shows in the losses
 TINY_LR = 1e-2

@@ -128,7 +128,7 @@ def test_gpu_figures_calls_each_fit_one_device_call_and_name_real_rows(tmp_path)
     parts = []
     for call, expect in ((["speed"], ["speed_ladder", "speed_bert"]),
                          (["peers_gpt2", "peers_qlora"], ["peers_gpt2", "peers_qlora"]),
-                         (["peers_pretrain"], ["peers_pretrain"])):
+                         (["peers_pretrain"], ["peers_pretrain"]), (["peers_dpo"], ["peers_dpo"])):
         found, total = dry(*call)
         assert [p[0] for p in found] == expect and total <= 560, (call, total)
         parts += found
@@ -178,3 +178,49 @@ def test_the_ladders_best_combination_of_every_option_composes_and_builds():
             instantiate(cfg, group)
         except ConfigError as err:
             assert not torch.cuda.is_available() and ("CUDA" in str(err) or "GPU" in str(err)), (group, err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL's DPOTrainer needs trl (the test extra)")
+def test_tiny_dpo_workload_runs_looplib_and_trl_on_the_same_pairs_and_reports_pairs_per_s(tmp_path):
+    """The dpo workload: looplib's loss=dpo and TRL's DPOTrainer on one model directory (one
+    tokenizer, one set of weights), the same pairs, global batch and steps; both start at ln 2
+    (the policy is its reference), both train, and the table gives pairs/s and looplib's ratio."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_peers.py"), "--tiny", "--workloads", "dpo",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "peers.json").read_text())
+    rows = {row["framework"]: row for row in data["rows"]}
+    assert set(rows) == {"looplib", "trl"}  # no looplib_same: TRL is the peer here
+    ours, trl = rows["looplib"], rows["trl"]
+    assert ours["status"] == trl["status"] == "ok", (ours, trl)
+    for row in (ours, trl):
+        assert ROW_KEYS <= set(row) and row["workload"] == "dpo" and row["global_batch"] == 8
+        assert row["first_loss"] == pytest.approx(0.6931472, abs=1e-6) and row["loss"] != row["first_loss"]
+        assert row["pairs_per_s"] == pytest.approx(8 / row["median_step_s"]) and row["peak_mem_mb"] > 0
+        assert row["timed_steps"] == 8  # 12 steps, 4 of warm-up
+    assert "loss=dpo" in ours["command"] and "data=preference" in ours["command"] and "DPOConfig" in trl["settings"]
+    ratio = data["ratios"]["dpo"]["trl"]
+    assert ratio["speed_x"] == pytest.approx(ours["pairs_per_s"] / trl["pairs_per_s"])
+    assert ratio["memory_x"] == pytest.approx(ours["peak_mem_mb"] / trl["peak_mem_mb"])
+    assert "| framework | status | pairs/s |" in (out / "peers.md").read_text()
+
+
+def test_the_gpu_dpo_command_line_of_looplib_composes(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    import dpo
+    from bench_peers import LOOPLIB, settings_of
+    from spec import job
+    spec = dict(job("dpo", tiny=False), device="cuda", framework="looplib", model_dir=str(tmp_path / "model"),
+                data_dir=str(tmp_path / "data"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 8192}))
+    overrides, _ = settings_of("looplib", "dpo", spec, tiny=False)
+    assert overrides == LOOPLIB["dpo"] and "+precision=bf16" in overrides
+    args = dpo.looplib_command(spec, overrides, tmp_path / "run")
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args[3:])
+    assert cfg.loss._target_ == "looplib.preference.DPO" and cfg.loss.beta == dpo.BETA
+    assert cfg.batch_size * cfg.accum_steps == spec["global_batch"] and cfg.max_steps == spec["steps"]
+    assert cfg.data.path == str(tmp_path / "data" / "pairs.jsonl") and cfg.model.seq_len == 1024
