@@ -3,7 +3,7 @@
 ``weights_digest(model, engine)``: a sha256 over the reference's weights (names, dtypes, shapes,
 bytes; under ``+peft`` the base alone, the adapters left out), taken when the run starts (before
 a resumed checkpoint is loaded). Every checkpoint of a DPO run records it (``DPO.identity``),
-and a resume whose starting weights differ is refused (``looplib.run.resume.check_reference``).
+and a resume whose starting weights differ is refused (``looplib.store.resume.check_reference``).
 
 ``precompute(objective, model, corpus, engine, precision, batch_size)``: one pass over every
 training and held-out pair, before training, with the reference (the model itself in eval mode,
