@@ -225,3 +225,72 @@ def test_grpo_8_prompts_equals_accumulation_2_x_4(tmp_path, tok_file, tok):  # n
     assert math.isfinite(moved) and moved > 1e-4
     for p, q in zip(full.parameters(), split.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# --- parity with TRL's GRPOTrainer (pip install 'looplib[test]' brings trl) ------------------------
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_equals_trl_grpo_trainer_loss_and_gradients(tmp_path, tiny_pretrained, beta):
+    """TRL's own loss (``GRPOTrainer._compute_loss``, loss_type=bnpo: summed over the completion tokens and
+    divided by their count, as looplib's loop divides) on fixed completions, advantages and old
+    log-probabilities of a tiny Llama, against looplib's GRPO on the same tokens: within 1e-6 (fp32)."""
+    pytest.importorskip("trl")
+    datasets, transformers = pytest.importorskip("datasets"), pytest.importorskip("transformers")
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_pretrained))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_pretrained), dtype=torch.float32)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], per_device_train_batch_size=4, num_generations=2,
+                      use_cpu=True, bf16=False, loss_type="bnpo", beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                      save_strategy="no", disable_tqdm=True, max_completion_length=8)
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[lambda completions, **_: [0.0]
+                                                                                      * len(completions)],
+                          train_dataset=datasets.Dataset.from_list([{"prompt": "a b c"}] * 4))
+    reference = copy.deepcopy(trainer.model).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # the policy away from the reference
+        for p in trainer.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    vocab = trainer.model.config.vocab_size
+    prompt_ids, completion_ids = torch.randint(3, vocab, (4, 5), generator=g), torch.randint(3, vocab, (4, 7), generator=g)
+    completion_mask = (torch.arange(7)[None] < torch.tensor([[7], [3], [5], [1]])).long()
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
+    old = -torch.rand(4, 7, generator=g) * 6
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+
+    class Logits(torch.nn.Module):  # looplib's side: the model as a function of ids and mask -> logits
+        def __init__(self, hf):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    with torch.no_grad():
+        ref_logps = torch.log_softmax(Logits(reference)(ids, mask)[:, 4:-1].float() / 0.7, -1)
+        ref_logps = ref_logps.gather(-1, completion_ids[..., None]).squeeze(-1)
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+              "ref_per_token_logps": ref_logps}
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    expected = torch.autograd.grad(theirs, params)
+
+    labels = ids[:, 1:].clone()
+    labels[:, :4] = -100
+    labels[:, 4:] = labels[:, 4:].masked_fill(completion_mask == 0, -100)
+    full_old = torch.zeros(labels.shape)
+    full_old[:, 4:] = old
+    ours_batch = {"input_ids": ids[:, :-1], "labels": labels, "attention_mask": mask[:, :-1], "advantages": advantages,
+                  "old_logps": full_old}
+    objective = GRPO(group_size=2, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7)
+    objective.reference = Logits(reference).eval()
+    mine = objective(Logits(trainer.model), ours_batch) / objective.count(ours_batch)
+    grads = torch.autograd.grad(mine, params)
+    assert abs(mine.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())) and abs(theirs.item()) > 1e-3
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
