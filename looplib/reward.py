@@ -135,7 +135,11 @@ def same_answer(got: str, want: str) -> bool:
 
 def name_of(fn) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial
-    return getattr(fn, "name", None) or getattr(inner, "__qualname__", None) or type(fn).__name__
+    if getattr(fn, "name", None):
+        return fn.name
+    if hasattr(inner, "__qualname__"):
+        return f"{inner.__module__}.{inner.__qualname__}" if getattr(inner, "__module__", None) else inner.__qualname__
+    return type(fn).__name__
 
 
 def score(reward, prompts: list, completions: list[str], records: list[dict]) -> torch.Tensor:

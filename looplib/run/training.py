@@ -113,7 +113,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                  total / 1e6, (f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "") +
                  (f", the base's {four_bit / 1e6:.2f}M held in 4 bits" if four_bit else ""), engine.device,
                  state.step + 1, s.max_steps, micro_batch, s.accum_steps,
-                 "pairs" if getattr(job.objective, "pairs", False) else "sequences", ranks, job.precision.name,
+                 "pairs" if getattr(job.objective, "pairs", False) else
+                 "prompts" if hasattr(job.objective, "rollouts") else "sequences", ranks, job.precision.name,
                  optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
