@@ -95,7 +95,7 @@ def check_pairs(corpus: Any, objective: Any) -> None:
                           "use loss=dpo, loss=simpo or loss=orpo")
 
 
-def check_rollouts(corpus: Any, objective: Any, reward: Any) -> None:
+def check_rollouts(corpus: Any, objective: Any, reward: Any, batch_size: Any = None) -> None:
     """A rollout objective (``loss=grpo``) samples its completions for ``data=prompts`` and scores them with a
     reward; prompts or a reward without one would be trained on as something else, or ignored. A completion
     of ``max_new_tokens`` must fit after the longest prompt in the model's positions."""
@@ -113,6 +113,10 @@ def check_rollouts(corpus: Any, objective: Any, reward: Any) -> None:
     if wants and not scored:
         raise ConfigError("reward", "loss=grpo scores its completions with a reward, and none is chosen",
                           "add +reward=exact_answer (or +reward=format, reward._target_=my_pkg.fn)")
+    if wants and batch_size == "auto":
+        raise ConfigError("batch_size", "batch_size=auto measures memory on batches of the data, and loss=grpo's "
+                          "batches are sampled as it trains (their sizes unknown before)",
+                          "give batch_size=N prompts per micro-batch (each with loss.group_size completions)")
     longest, seq_len = getattr(corpus, "longest_prompt", lambda: 0)(), getattr(corpus, "seq_len", None)
     if wants and seq_len and longest + objective.max_new_tokens - 1 > seq_len:
         raise ConfigError("loss.max_new_tokens", f"the longest prompt holds {longest} tokens, and with "
@@ -147,7 +151,8 @@ RULES: list[Rule] = [
     Rule("pairs of completions with a preference loss, and only with one", "built",
          "data, objective", lambda p, s: check_pairs(p.data, p.objective)),
     Rule("prompts with a rollout loss and a reward, and each only with the others (completions that fit)", "built",
-         "data, objective, reward", lambda p, s: check_rollouts(p.data, p.objective, p.reward)),
+         "data, objective, reward", lambda p, s: check_rollouts(p.data, p.objective, p.reward,
+                                                                          s.batch_size)),
     Rule("labels shifted as the loss expects (not the Hugging Face convention)", "built",
          "data, objective", lambda p, s: check_labels(p.data, p.objective)),
     Rule("the objective's own check of the data and the model, its teacher read first (loss=distill: the "

@@ -76,6 +76,32 @@ def test_a_record_without_its_prompt_names_file_record_and_setting(tmp_path, tok
     assert err.value.key == "data.prompt_field" and "prompts.jsonl:4" in str(err.value)
 
 
+def test_chat_prompts_are_rendered_up_to_the_assistants_turn_and_reach_the_reward_as_written(tmp_path, tiny_pretrained):
+    transformers = pytest.importorskip("transformers")
+    turns = [{"role": "user", "content": "two plus two?"}, {"role": "assistant", "content": "four"},
+             {"role": "user", "content": "and three?"}]
+    rows = [{"prompt": turns, "answer": "5"}, {"prompt": "plain text", "answer": "1"}] * 3
+    corpus = PromptCorpus(str(write_jsonl(tmp_path / "chat.jsonl", rows)), seq_len=200, tokenizer=str(tiny_pretrained),
+                          vocab_size=384, eval_fraction=0.0)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_pretrained))
+    want = hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    sample = next(corpus.train[i] for i in range(len(corpus.train)) if corpus.train[i]["index"] == 0)
+    assert corpus.tokenizer.decode(sample["prompt_ids"].tolist(), skip_special_tokens=False) == want
+    assert sample["records"]["prompt"] == turns
+
+    seen = []
+
+    def reward(prompts, completions, records):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+    model = torch.nn.Module()
+    vocab = corpus.vocab_size
+    model.forward = lambda ids, **_: torch.zeros(ids.shape[0], ids.shape[1], vocab)  # uniform: any token
+    _, source = rollouts(corpus, model, 2, reward, group_size=2)
+    next(iter(source))
+    assert turns in seen and all(p in (turns, "plain text") for p in seen) and len(seen) == 4
+
+
 # --- rewards -------------------------------------------------------------------------------------
 
 def test_exact_answer_reads_boxed_then_last_number():
@@ -294,3 +320,22 @@ def test_grpo_equals_trl_grpo_trainer_loss_and_gradients(tmp_path, tiny_pretrain
     assert abs(mine.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())) and abs(theirs.item()) > 1e-3
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_train_model_runs_grpo_from_python(tmp_path, tok_file, tok):  # noqa: F811
+    from looplib import train_model
+    corpus = prompts(tmp_path, tok_file, tok)
+    got = []
+
+    def reward(prompts, completions, records):
+        got.append(len(completions))
+        return [float(len(c) % 2) for c in completions]
+    trained = train_model(gpt(tok.get_vocab_size()), corpus, objective=GRPO(group_size=2, max_new_tokens=4),
+                          reward=reward, max_steps=2, batch_size=3, sample_tokens=0, log_every=1,
+                          metrics=tmp_path / "m.jsonl")
+    assert trained.state.step == 2 and got == [6, 6]
+    assert {"reward", "completion_tokens", "clipped"} <= set(trained.last_row)
+    with pytest.raises(ConfigError) as err:
+        train_model(gpt(tok.get_vocab_size()), corpus, objective=GRPO(group_size=2, max_new_tokens=4), max_steps=1,
+                    batch_size=3, sample_tokens=0)
+    assert err.value.key == "reward"
