@@ -26,6 +26,7 @@ whole state is a function of the data position, which every checkpoint holds.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Annotated, Callable
 
 import torch
@@ -38,7 +39,7 @@ from .reward import score
 from .schema import NonNegative, Positive, Range
 
 log = logging.getLogger("looplib")
-METRICS = ("reward", "reward_std", "completion_tokens", "clipped", "kl")
+METRICS = ("reward", "reward_std", "completion_tokens", "clipped", "kl", "rollout_tokens_per_s")
 
 
 class GRPO(Reference, TokenCrossEntropy):
@@ -62,6 +63,7 @@ class GRPO(Reference, TokenCrossEntropy):
         self.epsilon, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
         self.beta, self.scale_rewards = beta, scale_rewards
         self.tallies = {True: None, False: None}
+        self.sampled = [0.0, 0.0]   # tokens sampled and seconds spent sampling since the last logging step (Rollouts)
 
     def attach(self, model, engine=None) -> None:
         if self.beta:  # the reference only where the KL is asked for (no copy otherwise)
@@ -114,13 +116,14 @@ class GRPO(Reference, TokenCrossEntropy):
         sums, self.tallies[True] = self.tallies[True], None
         if sums is None:
             return {}
+        sums, self.sampled = torch.cat([sums, torch.tensor(self.sampled, dtype=sums.dtype, device=sums.device)]), [0.0, 0.0]
         if reduce is not None:
             sums = reduce(sums)
-        r, r2, n, tokens, clipped, kl = sums.tolist()
+        r, r2, n, tokens, clipped, kl, sampled, seconds = sums.tolist()
         n, tokens = max(n, 1.0), max(tokens, 1.0)
         mean = r / n
         return dict(zip(METRICS, (mean, max(r2 / n - mean * mean, 0.0) ** 0.5, tokens / n, clipped / tokens,
-                                  kl / tokens)))
+                                  kl / tokens, sampled / seconds if seconds else 0.0)))
 
     def rollouts(self, loader, model: Callable[[], torch.nn.Module], reward, data, engine, precision, seed: int):
         """The run's training data: ``loader``'s prompts, sampled and scored (``Rollouts``)."""
@@ -196,7 +199,7 @@ class Rollouts:
         o, device = self.objective, self.engine.device
         model = self.engine.unwrap(self.model())
         epoch = getattr(self.sampler, "epoch", 0)
-        was, out = model.training, []
+        was, out, t0 = model.training, [], time.perf_counter()
         model.eval()
         try:
             with torch.no_grad(), self.precision.autocast():
@@ -206,6 +209,8 @@ class Rollouts:
                                       self.stop, gen))
         finally:
             model.train(was)
+        o.sampled[0] += sum(g.numel() for g in out)  # (read back with the stop checks already: no extra sync)
+        o.sampled[1] += time.perf_counter() - t0
         return out
 
     def rollout(self, prompts: dict) -> dict:

@@ -35,8 +35,8 @@ def test_grpo_runs_end_to_end_logs_rewards_and_resumes_bit_for_bit(tmp_path):
     steps = [x for x in rows(tmp_path / "full") if "loss" in x]
     assert [x["step"] for x in steps] == [1, 2, 3, 4]
     for x in steps:
-        assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "tokens_per_s"} <= set(x)
-        assert 0.0 <= x["reward"] <= 1.0 and 1.0 <= x["completion_tokens"] <= 4.0
+        assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "tokens_per_s", "rollout_tokens_per_s"} <= set(x)
+        assert 0.0 <= x["reward"] <= 1.0 and 1.0 <= x["completion_tokens"] <= 4.0 and x["rollout_tokens_per_s"] > 0
     part = tmp_path / "part"
     assert run_cli(*job, "max_steps=2", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD).returncode == 0
     r = run_cli(*job, "max_steps=4", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD)
