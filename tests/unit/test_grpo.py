@@ -251,6 +251,14 @@ def test_grpo_8_prompts_equals_accumulation_2_x_4(tmp_path, tok_file, tok):  # n
     assert math.isfinite(moved) and moved > 1e-4
     for p, q in zip(full.parameters(), split.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # and both are the step on the mean loss per completion token (the item is the token)
+    objective, source = rollouts(corpus, start, 8, reward)
+    batch = next(iter(source))
+    tokens = int((batch["labels"] != -100).sum())
+    assert tokens > len(batch["labels"])  # more tokens than completions: a mean per completion would differ
+    grads = torch.autograd.grad(objective(start, batch) / tokens, list(start.parameters()))
+    for p, g, q in zip(start.parameters(), grads, full.parameters()):
+        torch.testing.assert_close(p.detach() - 0.5 * g, q.detach(), rtol=1e-5, atol=1e-6)
 
 
 # --- parity with TRL's GRPOTrainer (pip install 'looplib[test]' brings trl) ------------------------
