@@ -28,12 +28,13 @@ def rows(run_dir):
 
 
 def test_grpo_runs_end_to_end_logs_rewards_and_resumes_bit_for_bit(tmp_path):
-    job = ["data=prompts", f"data.path={write_sums(tmp_path)}", "loss=grpo", "+reward=exact_answer", *SMALL,
-           "checkpoint.every_steps=2"]
+    # an untrained model's completions are a few bytes: a lowercase letter in them is the reward that varies
+    job = ["data=prompts", f"data.path={write_sums(tmp_path)}", "loss=grpo", "+reward=exact_and_format", *SMALL,
+           "reward.rewards.format.pattern='[a-z]'", "checkpoint.every_steps=2"]
     r = run_cli(*job, "max_steps=4", f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     steps = [x for x in rows(tmp_path / "full") if "loss" in x]
-    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4] and sum(x["grad_norm"] > 0 for x in steps) >= 2  # real updates
     for x in steps:
         assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "tokens_per_s", "rollout_tokens_per_s"} <= set(x)
         assert 0.0 <= x["reward"] <= 1.0 and 1.0 <= x["completion_tokens"] <= 4.0 and x["rollout_tokens_per_s"] > 0
@@ -78,6 +79,9 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_and_the_last_checkpoint_
 
 def test_prompts_loss_and_reward_are_refused_apart(tmp_path):
     data = write_sums(tmp_path)
+    r = run_cli("data=prompts", f"data.path={data}", "loss=grpo", "+reward=exact_answer", *SMALL, "max_steps=2",
+                f"hydra.run.dir={tmp_path / 'ok'}", cwd=tmp_path)  # the command as typed works; the others are refused
+    assert r.returncode == 0 and (tmp_path / "ok" / "model.safetensors").exists(), r.stderr
     r = run_cli("data=prompts", f"data.path={data}", "loss=grpo", *SMALL, f"hydra.run.dir={tmp_path / 'a'}",
                 cwd=tmp_path)
     assert r.returncode == 2 and "+reward=exact_answer" in r.stderr.strip().splitlines()[-1], r.stderr
