@@ -64,6 +64,7 @@ class GRPO(Reference, TokenCrossEntropy):
         self.beta, self.scale_rewards = beta, scale_rewards
         self.tallies = {True: None, False: None}
         self.sampled = [0.0, 0.0]   # tokens sampled and seconds spent sampling since the last logging step (Rollouts)
+        self.reward_sums = {}       # a Weighted reward's parts: name -> [sum, sum of squares, count] (Rollouts)
 
     def attach(self, model, engine=None) -> None:
         if self.beta:  # the reference only where the KL is asked for (no copy otherwise)
@@ -116,18 +117,29 @@ class GRPO(Reference, TokenCrossEntropy):
         sums, self.tallies[True] = self.tallies[True], None
         if sums is None:
             return {}
-        sums, self.sampled = torch.cat([sums, torch.tensor(self.sampled, dtype=sums.dtype, device=sums.device)]), [0.0, 0.0]
+        names = sorted(self.reward_sums)  # (the same on every rank: one reward config)
+        host = self.sampled + [v for name in names for v in self.reward_sums[name]]
+        sums = torch.cat([sums, torch.tensor(host, dtype=sums.dtype, device=sums.device)])
+        self.sampled, self.reward_sums = [0.0, 0.0], {}
         if reduce is not None:
             sums = reduce(sums)
-        r, r2, n, tokens, clipped, kl, sampled, seconds = sums.tolist()
+        r, r2, n, tokens, clipped, kl, sampled, seconds, *parts = sums.tolist()
         n, tokens = max(n, 1.0), max(tokens, 1.0)
-        mean = r / n
-        return dict(zip(METRICS, (mean, max(r2 / n - mean * mean, 0.0) ** 0.5, tokens / n, clipped / tokens,
-                                  kl / tokens, sampled / seconds if seconds else 0.0)))
+        out = dict(zip(METRICS, (*mean_std(r, r2, n), tokens / n, clipped / tokens, kl / tokens,
+                                 sampled / seconds if seconds else 0.0)))
+        for i, name in enumerate(names):  # each part of a Weighted reward, unweighted
+            out[f"reward_{name}"], out[f"reward_{name}_std"] = mean_std(*parts[3 * i:3 * i + 3])
+        return out
 
     def rollouts(self, loader, model: Callable[[], torch.nn.Module], reward, data, engine, precision, seed: int):
         """The run's training data: ``loader``'s prompts, sampled and scored (``Rollouts``)."""
         return Rollouts(loader, self, model, reward, data, engine, precision, seed)
+
+
+def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
+    n = max(n, 1.0)
+    mean = total / n
+    return mean, max(squares / n - mean * mean, 0.0) ** 0.5
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -227,7 +239,7 @@ class Rollouts:
                 texts.append(self.data.decode(completion[:length - 1 if len(ended) else length].tolist()))
         field = getattr(self.data, "prompt_field", "prompt")
         records = [r for r in prompts["records"] for _ in range(g)]
-        rewards = score(self.reward, [r.get(field) for r in records], texts, records)
+        rewards = score(self.reward, [r.get(field) for r in records], texts, records, o.reward_sums)
         width = max(len(p) + len(c) for p, c in rows) - 1
         batch = {"input_ids": torch.full((len(rows), width), self.pad, dtype=torch.long),
                  "labels": torch.full((len(rows), width), o.ignore_index, dtype=torch.long),

@@ -142,13 +142,18 @@ def name_of(fn) -> str:
     return type(fn).__name__
 
 
-def score(reward, prompts: list, completions: list[str], records: list[dict]) -> torch.Tensor:
+def score(reward, prompts: list, completions: list[str], records: list[dict], sums: dict | None = None) -> torch.Tensor:
     """The rewards of the completions (float64, one per completion): ``Weighted``'s weighted sum,
-    or the one reward's; refused in one line where a reward breaks its contract (the module)."""
+    or the one reward's; refused in one line where a reward breaks its contract (the module).
+    ``sums``: each of a ``Weighted``'s rewards adds ``[sum, sum of squares, count]`` (unweighted) under its name."""
     parts = reward.parts() if isinstance(reward, Weighted) else [(name_of(reward), reward, 1.0)]
     total = torch.zeros(len(completions), dtype=torch.float64)
     for name, fn, weight in parts:
-        total += weight * checked(name, fn, prompts, completions, records)
+        values = checked(name, fn, prompts, completions, records)
+        total += weight * values
+        if sums is not None and len(parts) > 1:
+            before = sums.get(name, [0.0, 0.0, 0.0])
+            sums[name] = [before[0] + values.sum().item(), before[1] + (values ** 2).sum().item(), before[2] + len(values)]
     return total
 
 

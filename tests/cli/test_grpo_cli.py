@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from conftest import run_cli
 
 SMALL = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=24", "data.vocab_size=300",
@@ -37,7 +39,9 @@ def test_grpo_runs_end_to_end_logs_rewards_and_resumes_bit_for_bit(tmp_path):
     assert [x["step"] for x in steps] == [1, 2, 3, 4] and sum(x["grad_norm"] > 0 for x in steps) >= 2  # real updates
     for x in steps:
         assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "tokens_per_s", "rollout_tokens_per_s"} <= set(x)
-        assert 0.0 <= x["reward"] <= 1.0 and 1.0 <= x["completion_tokens"] <= 4.0 and x["rollout_tokens_per_s"] > 0
+        assert 0.0 <= x["reward"] <= 1.1 and 1.0 <= x["completion_tokens"] <= 4.0 and x["rollout_tokens_per_s"] > 0
+        parts = x["reward_exact_answer"], x["reward_format"]  # each of the weighted rewards, unweighted
+        assert x["reward"] == pytest.approx(parts[0] + 0.1 * parts[1]) and 0 <= parts[1] <= 1
     part = tmp_path / "part"
     assert run_cli(*job, "max_steps=2", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD).returncode == 0
     r = run_cli(*job, "max_steps=4", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD)
