@@ -74,6 +74,10 @@ def test_a_record_without_its_prompt_names_file_record_and_setting(tmp_path, tok
     with pytest.raises(ConfigError) as err:
         prompts(tmp_path, tok_file, tok, rows)
     assert err.value.key == "data.prompt_field" and "prompts.jsonl:4" in str(err.value)
+    rows[3] = {"prompt": "  ", "answer": "1"}
+    with pytest.raises(ConfigError) as err:
+        prompts(tmp_path, tok_file, tok, rows)
+    assert err.value.key == "data.prompt_field" and "prompts.jsonl:4: the prompt is empty" in str(err.value)
 
 
 def test_chat_prompts_are_rendered_up_to_the_assistants_turn_and_reach_the_reward_as_written(tmp_path, tiny_pretrained):
