@@ -25,6 +25,7 @@ whole state is a function of the data position, which every checkpoint holds.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Annotated, Callable
@@ -238,7 +239,7 @@ class Rollouts:
                 rows.append((ids, completion[:length]))
                 texts.append(self.data.decode(completion[:length - 1 if len(ended) else length].tolist()))
         field = getattr(self.data, "prompt_field", "prompt")
-        records = [r for r in prompts["records"] for _ in range(g)]
+        records = [r for r in map(copy.deepcopy, prompts["records"]) for _ in range(g)]  # (a reward may change them)
         rewards = score(self.reward, [r.get(field) for r in records], texts, records, o.reward_sums)
         width = max(len(p) + len(c) for p, c in rows) - 1
         batch = {"input_ids": torch.full((len(rows), width), self.pad, dtype=torch.long),

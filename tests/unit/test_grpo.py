@@ -341,11 +341,13 @@ def test_train_model_runs_grpo_from_python(tmp_path, tok_file, tok):  # noqa: F8
 
     def reward(prompts, completions, records):
         got.append(len(completions))
+        records[0]["answer"] = "changed by the reward"  # a copy: the data keep their records
         return [float(len(c) % 2) for c in completions]
     trained = train_model(gpt(tok.get_vocab_size()), corpus, objective=GRPO(group_size=2, max_new_tokens=4),
                           reward=reward, max_steps=2, batch_size=3, sample_tokens=0, log_every=1,
                           metrics=tmp_path / "m.jsonl")
     assert trained.state.step == 2 and got == [6, 6]
+    assert all(corpus.train.record(i)["answer"] == str(i) for i in range(len(prompt_rows())))
     assert {"reward", "completion_tokens", "clipped"} <= set(trained.last_row)
     with pytest.raises(ConfigError) as err:
         train_model(gpt(tok.get_vocab_size()), corpus, objective=GRPO(group_size=2, max_new_tokens=4), max_steps=1,
