@@ -40,7 +40,7 @@ from .reward import score
 from .schema import NonNegative, Positive, Range
 
 log = logging.getLogger("looplib")
-METRICS = ("reward", "reward_std", "completion_tokens", "clipped", "kl", "rollout_tokens_per_s")
+METRICS = ("reward", "reward_std", "completion_tokens", "clipped", "kl", "entropy", "rollout_tokens_per_s")
 
 
 class GRPO(Reference, TokenCrossEntropy):
@@ -77,17 +77,20 @@ class GRPO(Reference, TokenCrossEntropy):
                               "use data=prompts with a reward (+reward=exact_answer): the completions are sampled")
         return int((batch["labels"] != self.ignore_index).sum())
 
-    def logps(self, model, batch) -> torch.Tensor:
-        """Each label's log-probability under the sampling distribution (0 where not counted)."""
+    def logps(self, model, batch, entropy: bool = False) -> torch.Tensor:
+        """Each label's log-probability under the sampling distribution (0 where not counted);
+        ``entropy``: also the distribution's entropy summed over the counted tokens (``self.entropy``)."""
         logits = model(batch["input_ids"], **self.inputs(model, batch)).float() / self.temperature
         labels = batch["labels"]
+        if entropy:
+            self.entropy = summed_entropy(logits.detach().flatten(0, -2), labels.flatten() != self.ignore_index)
         return -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=self.ignore_index,
                                 reduction="none").view(labels.shape)
 
     def __call__(self, model, batch) -> torch.Tensor:
         self.count(batch)
         mask = (batch["labels"] != self.ignore_index).float()
-        logp = self.logps(model, batch)
+        logp = self.logps(model, batch, entropy=True)
         old = batch.get("old_logps")
         old = logp.detach() if old is None else old
         ratio = torch.exp(logp - old)
@@ -108,7 +111,8 @@ class GRPO(Reference, TokenCrossEntropy):
             return
         rewards = rewards.to(mask.device, torch.float64)
         sums = torch.stack([rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(len(rewards)), device=mask.device,
-                            dtype=torch.float64), mask.sum().double(), clipped.sum().double(), kl.sum().double()])
+                            dtype=torch.float64), mask.sum().double(), clipped.sum().double(), kl.sum().double(),
+                            self.entropy.double()])
         training = torch.is_grad_enabled()
         self.tallies[training] = sums.detach() if self.tallies[training] is None else self.tallies[training] + sums
 
@@ -124,9 +128,9 @@ class GRPO(Reference, TokenCrossEntropy):
         self.sampled, self.reward_sums = [0.0, 0.0], {}
         if reduce is not None:
             sums = reduce(sums)
-        r, r2, n, tokens, clipped, kl, sampled, seconds, *parts = sums.tolist()
+        r, r2, n, tokens, clipped, kl, entropy, sampled, seconds, *parts = sums.tolist()
         n, tokens = max(n, 1.0), max(tokens, 1.0)
-        out = dict(zip(METRICS, (*mean_std(r, r2, n), tokens / n, clipped / tokens, kl / tokens,
+        out = dict(zip(METRICS, (*mean_std(r, r2, n), tokens / n, clipped / tokens, kl / tokens, entropy / tokens,
                                  sampled / seconds if seconds else 0.0)))
         for i, name in enumerate(names):  # each part of a Weighted reward, unweighted
             out[f"reward_{name}"], out[f"reward_{name}_std"] = mean_std(*parts[3 * i:3 * i + 3])
@@ -135,6 +139,18 @@ class GRPO(Reference, TokenCrossEntropy):
     def rollouts(self, loader, model: Callable[[], torch.nn.Module], reward, data, engine, precision, seed: int):
         """The run's training data: ``loader``'s prompts, sampled and scored (``Rollouts``)."""
         return Rollouts(loader, self, model, reward, data, engine, precision, seed)
+
+
+def summed_entropy(logits: torch.Tensor, counted: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The entropy of softmax(``logits``) summed over the ``counted`` rows, ``chunk`` rows at a time (no
+    second copy of the whole logits), without gradients."""
+    rows = counted.nonzero().squeeze(1)
+    total = logits.new_zeros(())
+    with torch.no_grad():
+        for start in range(0, len(rows), chunk):
+            part = logits[rows[start:start + chunk]]
+            total += torch.special.entr(torch.softmax(part, dim=-1)).sum()  # (a padded vocabulary's -inf: 0)
+    return total
 
 
 def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:

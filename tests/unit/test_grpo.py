@@ -197,7 +197,12 @@ def test_grpo_loss_and_gradients_equal_a_hand_written_one(beta, eps_high):
     assert abs(mine.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item()))
     for g, e in zip(torch.autograd.grad(mine, params), torch.autograd.grad(theirs, params)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
-    assert objective.train_metrics()["clipped"] > 0  # the old log-probabilities are far: some ratios clipped
+    metrics = objective.train_metrics()
+    assert metrics["clipped"] > 0  # the old log-probabilities are far: some ratios clipped
+    with torch.no_grad():
+        p = torch.softmax(model(batch["input_ids"]).float() / 0.7, dim=-1)
+        entropy = -(p * p.log()).sum(-1)[batch["labels"] != -100].mean().item()
+    assert metrics["entropy"] == pytest.approx(entropy, rel=1e-5)
 
 
 def test_group_advantages_are_centred_and_scaled_per_group():
