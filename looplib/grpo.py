@@ -60,7 +60,8 @@ class GRPO(Reference, TokenCrossEntropy):
         if group_size < 2:
             raise ConfigError("loss.group_size", f"group_size={group_size}: a group of one has no advantage",
                               "use loss.group_size=2 or more (e.g. 8)")
-        self.group_size, self.max_new_tokens, self.temperature, self.top_p = group_size, max_new_tokens, temperature, top_p
+        self.group_size, self.max_new_tokens = group_size, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
         self.epsilon, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
         self.beta, self.scale_rewards = beta, scale_rewards
         self.tallies = {True: None, False: None}

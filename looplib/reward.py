@@ -153,7 +153,8 @@ def score(reward, prompts: list, completions: list[str], records: list[dict], su
         total += weight * values
         if sums is not None and len(parts) > 1:
             before = sums.get(name, [0.0, 0.0, 0.0])
-            sums[name] = [before[0] + values.sum().item(), before[1] + (values ** 2).sum().item(), before[2] + len(values)]
+            sums[name] = [before[0] + values.sum().item(), before[1] + (values ** 2).sum().item(),
+                          before[2] + len(values)]
     return total
 
 

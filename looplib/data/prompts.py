@@ -24,8 +24,7 @@ from torch.utils.data import Dataset
 from ..errors import ConfigError
 from ..schema import Positive, Seed
 from .files import EvalFraction, FileCorpus
-from .readers import field, records, resolve_files, text_field
-from .records import InstructCorpus
+from .readers import field, is_records, records, resolve_files, text_field
 from .tokenizer import ChatTemplate
 
 
@@ -45,7 +44,11 @@ class PromptCorpus(FileCorpus):
         super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
         self.collate = PromptCollate()
 
-    check_files = InstructCorpus.check_files
+    def check_files(self, files, key):
+        plain = [f for f in files if not is_records(f)]
+        if plain:
+            raise ConfigError(key, f"{plain[0]} is plain text, but prompts are records",
+                              "give JSONL, JSON, CSV or Parquet files with a prompt field (and what the reward reads)")
 
     def reader_settings(self):
         return {**super().reader_settings(), "prompt": self.prompt_field}

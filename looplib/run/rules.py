@@ -120,7 +120,8 @@ def check_rollouts(corpus: Any, objective: Any, reward: Any, batch_size: Any = N
     longest, seq_len = getattr(corpus, "longest_prompt", lambda: 0)(), getattr(corpus, "seq_len", None)
     if wants and seq_len and longest + objective.max_new_tokens - 1 > seq_len:
         raise ConfigError("loss.max_new_tokens", f"the longest prompt holds {longest} tokens, and with "
-                          f"loss.max_new_tokens={objective.max_new_tokens} its sequences would exceed seq_len={seq_len}",
+                          f"loss.max_new_tokens={objective.max_new_tokens} its sequences would exceed "
+                          f"seq_len={seq_len}",
                           f"use loss.max_new_tokens={max(1, seq_len - longest + 1)} or less, shorter prompts, or a "
                           "longer model.seq_len")
 

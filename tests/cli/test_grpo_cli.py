@@ -38,7 +38,8 @@ def test_grpo_runs_end_to_end_logs_rewards_and_resumes_bit_for_bit(tmp_path):
     steps = [x for x in rows(tmp_path / "full") if "loss" in x]
     assert [x["step"] for x in steps] == [1, 2, 3, 4] and sum(x["grad_norm"] > 0 for x in steps) >= 2  # real updates
     for x in steps:
-        assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "entropy", "tokens_per_s", "rollout_tokens_per_s"} <= set(x)
+        assert {"reward", "reward_std", "completion_tokens", "clipped", "kl", "entropy", "tokens_per_s",
+                "rollout_tokens_per_s"} <= set(x)
         assert 0.0 <= x["reward"] <= 1.1 and 1.0 <= x["completion_tokens"] <= 4.0 and x["rollout_tokens_per_s"] > 0
         parts = x["reward_exact_answer"], x["reward_format"]  # each of the weighted rewards, unweighted
         assert x["reward"] == pytest.approx(parts[0] + 0.1 * parts[1]) and 0 <= parts[1] <= 1

@@ -21,11 +21,13 @@ def test_grpo_on_two_processes_equals_one_process_of_twice_the_batch(tmp_path):
     assert two.returncode == 0, two.stderr
     one = run_cli(*job, "batch_size=4", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr
-    read = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    def read(run):
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     rows = [(a, b) for a, b in zip(read("two"), read("one")) if "loss" in b]
     assert len(rows) == 3 and any(0 < b["reward"] < 1 for _, b in rows)  # rewards that differ: a real update
     for a, b in rows:
         for key in ("loss", "reward", "completion_tokens"):
             assert a[key] == pytest.approx(b[key], rel=LOSS_RTOL, abs=1e-7), key
-    weights, expected = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    weights = load_file(tmp_path / "two" / "model.safetensors")
+    expected = load_file(tmp_path / "one" / "model.safetensors")
     assert max((weights[k] - expected[k]).abs().max().item() for k in expected) < WEIGHT_ATOL

@@ -21,7 +21,7 @@ from looplib.models import GPT
 from looplib.precision import Precision
 from looplib.reward import ExactAnswer, Format, Weighted, final_answer, score
 
-from test_data_files import EOT, cache_dir, sentence, tok, tok_file, write_jsonl  # noqa: F401 (fixtures)
+from test_data_files import cache_dir, sentence, tok, tok_file, write_jsonl  # noqa: F401 (fixtures)
 
 
 def prompt_rows(n=24, seed=0):
@@ -74,6 +74,10 @@ def test_a_record_without_its_prompt_names_file_record_and_setting(tmp_path, tok
     with pytest.raises(ConfigError) as err:
         prompts(tmp_path, tok_file, tok, rows)
     assert err.value.key == "data.prompt_field" and "prompts.jsonl:4" in str(err.value)
+    (tmp_path / "plain.txt").write_text("what is 2 + 3?\n")
+    with pytest.raises(ConfigError) as err:
+        PromptCorpus(str(tmp_path / "plain.txt"), seq_len=40, tokenizer=str(tok_file), vocab_size=tok.get_vocab_size())
+    assert err.value.key == "data.path" and "prompts are records" in str(err.value)
     rows[3] = {"prompt": "  ", "answer": "1"}
     with pytest.raises(ConfigError) as err:
         prompts(tmp_path, tok_file, tok, rows)
@@ -284,7 +288,8 @@ def test_grpo_equals_trl_grpo_trainer_loss_and_gradients(tmp_path, tiny_pretrain
     tok = transformers.AutoTokenizer.from_pretrained(str(tiny_pretrained))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_pretrained), dtype=torch.float32)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], per_device_train_batch_size=4, num_generations=2,
-                      use_cpu=True, bf16=False, loss_type="bnpo", beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                      use_cpu=True, bf16=False, loss_type="bnpo", beta=beta, epsilon=0.2, epsilon_high=0.28,
+                      temperature=0.7,
                       save_strategy="no", disable_tqdm=True, max_completion_length=8)
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[lambda completions, **_: [0.0]
                                                                                       * len(completions)],
@@ -296,7 +301,8 @@ def test_grpo_equals_trl_grpo_trainer_loss_and_gradients(tmp_path, tiny_pretrain
             p.add_(0.02 * torch.randn_like(p))
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
-    prompt_ids, completion_ids = torch.randint(3, vocab, (4, 5), generator=g), torch.randint(3, vocab, (4, 7), generator=g)
+    prompt_ids = torch.randint(3, vocab, (4, 5), generator=g)
+    completion_ids = torch.randint(3, vocab, (4, 7), generator=g)
     completion_mask = (torch.arange(7)[None] < torch.tensor([[7], [3], [5], [1]])).long()
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
