@@ -45,6 +45,7 @@ from .loss import TokenCrossEntropy
 from .optim import AdamW, OptimizerFactory
 from .peft import FullModel
 from .precision import Precision
+from .reward import NoReward
 from .schedule import Schedule
 
 
@@ -108,6 +109,10 @@ GROUPS: list[Group] = [
                 "before the model moves to its device; `save(model, run_dir)` at the end"),
     Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation",
           calls="`__call__(model, batches, objective, precision, engine) -> float` (mean loss per item)"),
+    Group("reward", object, made(NoReward), None, True, "reward", "reward", calls=(
+        "`reward(prompts, completions, records) -> list[float]`, one finite number per completion, for `loss=grpo` "
+        "(a function: `reward._target_=my_pkg.fn`; several: `looplib.reward.Weighted`) ([post-training.md]"
+        "(post-training.md#reinforcement-learning-with-verifiable-rewards-grpo))")),
     Group("logger", Logger, made(Logger), None, True, "logger", "logger", stage="trackers", calls=(
         "`start(run)` once (`run.dir`, `run.config`, `run.name`, `run.group`: the sweep, `run.resumed_from`); "
         "`log(row)` per metrics row; `finish(status, artefacts)` once (`finished`/`preempted`/`failed`, "

@@ -120,7 +120,52 @@ class Preference(TokenCrossEntropy):
         return -F.logsigmoid(logits) * (1 - ls) - F.logsigmoid(-logits) * ls
 
 
-class DPO(Preference):
+class Reference:
+    """An objective that compares the policy with the policy as training started (DPO; GRPO's KL):
+    ``attach(model, engine)`` takes it (the module's docstring), ``reference_logps`` runs it."""
+
+    label = "dpo"   # the loss option, for messages
+    reference = adapters = None
+
+    def attach(self, model: torch.nn.Module, engine=None) -> None:
+        """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``."""
+        self.adapters = next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")),
+                             None)
+        if self.adapters is not None:
+            log.info("%s reference: the model with its LoRA adapters switched off (no second copy)", self.label)
+            return
+        if not getattr(engine, "keeps_modules", True):
+            raise ConfigError("loss", f"loss={self.label}'s reference for full fine-tuning is a frozen copy of the model, and "
+                              f"+engine={getattr(engine, 'label', type(engine).__name__)} shards the model's weights, "
+                              "which looplib does not copy yet", "use +peft=lora (the reference is the adapters "
+                              "switched off), or the local or DDP engine")
+        inner = engine.unwrap(model) if engine is not None else model
+        self.reference = copy.deepcopy(inner).requires_grad_(False).eval()
+        size = sum(t.numel() * t.element_size() for t in self.reference.state_dict().values())
+        log.info("%s reference: a frozen copy of the starting weights (%.1f MB)", self.label, size / 2**20)
+
+    @contextmanager
+    def switched_off(self, model):
+        was = model.training
+        model.eval()
+        try:
+            with self.adapters.disable_adapter():
+                yield
+        finally:
+            model.train(was)
+
+    def reference_logps(self, model, batch):
+        if self.reference is None and self.adapters is None:
+            raise ConfigError("loss", f"loss={self.label} has no reference model: attach(model, engine) was not called",
+                              "call objective.attach(model) before training (looplib's runs do it)")
+        with torch.no_grad():
+            if self.reference is not None:
+                return self.logps(self.reference, batch)
+            with self.switched_off(model):
+                return self.logps(model, batch)
+
+
+class DPO(Reference, Preference):
     """``loss=dpo``: Direct Preference Optimisation against a reference (the module's docstring).
 
     ``type=sigmoid``: ``-log sigmoid(beta * ((pc - pr) - (rc - rr)))`` per pair (with

@@ -6,6 +6,7 @@ and what an absent one means come from ``looplib.groups``.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import fields
 from importlib import resources
@@ -91,10 +92,25 @@ def check_config(cfg: DictConfig) -> Settings:
     settings = check_settings(cfg)
     fill_strategy_defaults(cfg)
     refuse_one_process_engine(cfg)  # +engine=local under torchrun: refused on every rank
+    functions_as_given(cfg)  # reward._target_=my_pkg.fn: the function itself, not what it returns
     for group in sorted(group_names(cfg), key=lambda g: (g in ("data", "model"), g)):  # those may import a library
         if isinstance(cfg.get(group), DictConfig) and "_target_" in cfg[group]:
             check_group(cfg, group)
     return settings
+
+
+FUNCTION_GROUPS = ("reward",)  # groups whose option may be a plain function (looplib.reward)
+
+
+def functions_as_given(cfg: DictConfig) -> None:
+    """A group of ``FUNCTION_GROUPS`` whose ``_target_`` is a function is built as that function (Hydra's
+    ``_partial_``: its other keys become keyword arguments), not called with no arguments."""
+    for group in FUNCTION_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig) and "_target_" in node and "_partial_" not in node:
+            if inspect.isfunction(locate(group, resolved(cfg, group)["_target_"])):
+                with open_dict(cfg):
+                    cfg[group]["_partial_"] = True
 
 
 def check_group(cfg: DictConfig, group: str) -> None:

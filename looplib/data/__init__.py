@@ -8,7 +8,8 @@ One module per concern:
 - ``packing``: next-token labels, windows, examples, packing, padding (collate)
 - the corpora the data config groups build: ``corpus`` (the contract), ``synthetic`` (``data=random``),
   ``pysource`` (``data=pysource``), ``files`` (``data=text``), ``records`` (``data=instruct|classification``),
-  ``preference`` (``data=preference``: prompt, chosen and rejected completions)
+  ``preference`` (``data=preference``: prompt, chosen and rejected completions),
+  ``prompts`` (``data=prompts``: prompts to sample from, with the fields a reward reads),
   ``tokens`` (``data=tokens``: ids brought ready-made)
 - ``lock``: one builder per cache entry; ``index``: the files' digests, read again only when they change;
   ``progress``: bars and lines while data is built

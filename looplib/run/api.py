@@ -74,7 +74,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
                 optim: OptimizerFactory | None = None, schedule: Schedule | None = None,
                 peft: FullModel | None = None, compile: Compile | None = None,
                 evaluation: Evaluation | None = None, checkpointing: Checkpointing | None = None,
-                engine: Engine | None = None, logger: Logger | None = None,
+                engine: Engine | None = None, logger: Logger | None = None, reward: Any = None,
                 eval_dataset: Dataset | None = None, eval_every: int = S.eval_every,
                 eval_samples: int | None = S.eval_samples, max_grad_norm: float | None = S.max_grad_norm,
                 device: str = S.device, seed: int = S.seed, run_dir: str | Path | None = None,
@@ -105,7 +105,8 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
     if engine is None or isinstance(engine, Engine):  # (anything else: refused below, naming the class to pass)
         engine = engine_for(engine, device)  # under torchrun without an engine: DDP, as on the command line
     given = dict(objective=objective, precision=precision, optim=optim, schedule=schedule, peft=peft, compile=compile,
-                 evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger, **more)
+                 evaluation=evaluation, checkpointing=checkpointing, engine=engine, logger=logger, reward=reward,
+                 **more)
     settings = settings_from(dict(
         device=device, seed=seed, max_steps=max_steps, batch_size=batch_size, accum_steps=accum_steps,
         global_batch_size=global_batch_size, max_grad_norm=max_grad_norm, log_every=log_every, eval_every=eval_every,

@@ -51,6 +51,7 @@ class Parts:
     peft: Any = None                  # looplib.FullModel (LoRA, QLoRA)
     evaluation: Any = None            # looplib.Evaluation
     logger: Any = None                # looplib.loggers.Logger (several: Loggers)
+    reward: Any = None                # looplib.reward: reward(prompts, completions, records) -> list[float]
     more: dict[str, Any] = field(default_factory=dict)  # the groups appended to GROUPS at run time, by part
 
     @classmethod

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..loss import TokenCrossEntropy, refuse_unshifted
+from ..reward import NoReward
 from . import teacher
 
 
@@ -94,6 +95,37 @@ def check_pairs(corpus: Any, objective: Any) -> None:
                           "use loss=dpo, loss=simpo or loss=orpo")
 
 
+def check_rollouts(corpus: Any, objective: Any, reward: Any, batch_size: Any = None) -> None:
+    """A rollout objective (``loss=grpo``) samples its completions for ``data=prompts`` and scores them with a
+    reward; prompts or a reward without one would be trained on as something else, or ignored. A completion
+    of ``max_new_tokens`` must fit after the longest prompt in the model's positions."""
+    wants, has = getattr(objective, "rollouts_needed", False), getattr(corpus, "prompts", False)
+    scored = reward is not None and not isinstance(reward, NoReward)
+    if wants and not has:
+        raise ConfigError("data", f"the loss ({type(objective).__name__}) samples completions of prompts, and the data "
+                          f"({type(corpus).__name__}) hold none", "use data=prompts data.path=PROMPTS.jsonl")
+    if has and not wants:
+        raise ConfigError("loss", f"data=prompts holds prompts without completions, and the loss "
+                          f"({type(objective).__name__}) would train on the prompts themselves", "use loss=grpo")
+    if scored and not wants:
+        raise ConfigError("reward", f"a reward is chosen, and the loss ({type(objective).__name__}) samples nothing "
+                          "to score: it would be ignored", "use loss=grpo data=prompts, or drop +reward")
+    if wants and not scored:
+        raise ConfigError("reward", "loss=grpo scores its completions with a reward, and none is chosen",
+                          "add +reward=exact_answer (or +reward=format, reward._target_=my_pkg.fn)")
+    if wants and batch_size == "auto":
+        raise ConfigError("batch_size", "batch_size=auto measures memory on batches of the data, and loss=grpo's "
+                          "batches are sampled as it trains (their sizes unknown before)",
+                          "give batch_size=N prompts per micro-batch (each with loss.group_size completions)")
+    longest, seq_len = getattr(corpus, "longest_prompt", lambda: 0)(), getattr(corpus, "seq_len", None)
+    if wants and seq_len and longest + objective.max_new_tokens - 1 > seq_len:
+        raise ConfigError("loss.max_new_tokens", f"the longest prompt holds {longest} tokens, and with "
+                          f"loss.max_new_tokens={objective.max_new_tokens} its sequences would exceed "
+                          f"seq_len={seq_len}",
+                          f"use loss.max_new_tokens={max(1, seq_len - longest + 1)} or less, shorter prompts, or a "
+                          "longer model.seq_len")
+
+
 RULES: list[Rule] = [
     Rule("the engine takes the precision and the optimizer (FSDP2 and ZeRO: their own scaling, states)", "parts",
          "engine, precision, optim, settings", lambda p, s: p.engine.check(s, p.precision, p.optim)),
@@ -119,6 +151,9 @@ RULES: list[Rule] = [
          "data, model", lambda p, s: check_sequences_fit(p.data, p.model)),
     Rule("pairs of completions with a preference loss, and only with one", "built",
          "data, objective", lambda p, s: check_pairs(p.data, p.objective)),
+    Rule("prompts with a rollout loss and a reward, and each only with the others (completions that fit)", "built",
+         "data, objective, reward", lambda p, s: check_rollouts(p.data, p.objective, p.reward,
+                                                                          s.batch_size)),
     Rule("labels shifted as the loss expects (not the Hugging Face convention)", "built",
          "data, objective", lambda p, s: check_labels(p.data, p.objective)),
     Rule("the objective's own check of the data and the model, its teacher read first (loss=distill: the "

@@ -48,6 +48,9 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     with refused("loader", job.record):
         train = build_loader(job.data.train, batch_size=s.batch_size, seed=s.seed, device=engine.device,
                              rank=engine.rank, world=engine.world_size, collate_fn=collate, **vars(s.loader))
+    rollouts = getattr(job.objective, "rollouts", None)
+    if rollouts is not None:  # loss=grpo: the prompts' completions, sampled from the current policy (looplib.grpo)
+        train = rollouts(train, lambda: job.model, job.reward, job.data, engine, job.precision, s.seed)
     epochs, state = Epochs(train), TrainState()  # training data that yields no batch is refused here
     micro_batch = small_data(len(job.data.train) if hasattr(job.data.train, "__len__") else None,
                              s.batch_size, s.accum_steps, engine.world_size)  # warned when the data is smaller
@@ -113,7 +116,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                  total / 1e6, (f", {trained_count / 1e6:.2f}M trained" if trained_count < total else "") +
                  (f", the base's {four_bit / 1e6:.2f}M held in 4 bits" if four_bit else ""), engine.device,
                  state.step + 1, s.max_steps, micro_batch, s.accum_steps,
-                 "pairs" if getattr(job.objective, "pairs", False) else "sequences", ranks, job.precision.name,
+                 "pairs" if getattr(job.objective, "pairs", False) else
+                 "prompts" if hasattr(job.objective, "rollouts") else "sequences", ranks, job.precision.name,
                  optimizer_name)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
@@ -178,8 +182,8 @@ def held_out(job: Job) -> list:
     """This rank's batches of the fixed held-out set (``eval_samples`` sequences spread over the
     held-out split, the same at every evaluation, for any batch size and process count)."""
     s, engine = job.settings, job.engine
-    if s.eval_samples == 0 or job.data.eval is None:
-        return []
+    if s.eval_samples == 0 or job.data.eval is None or hasattr(job.objective, "rollouts"):
+        return []  # (loss=grpo: held-out prompts have no completions to take a loss on)
     batches = held_out_batches(job.data.eval, s.eval_samples, batch_size=s.batch_size, rank=engine.rank,
                                world=engine.world_size, collate_fn=job.data.collate, device=engine.device)
     if not batches:

@@ -32,7 +32,7 @@ def test_every_option_composes_and_builds(group, option, tmp_path, monkeypatch, 
     monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path))
     prefix = "" if group in IN_DEFAULTS else "+"
     data = [] if group == "data" else ["data=random"]
-    if (group, option) in (("data", "text"), ("data", "instruct")):  # the user's files: a few records
+    if (group, option) in (("data", "text"), ("data", "instruct"), ("data", "prompts")):  # the user's files: a few records
         rows = "".join(f'{{"text": "{"def f(x): return x " * 40}", "prompt": "p{i}", "completion": "c"}}\n' for i in range(9))
         (tmp_path / "records.jsonl").write_text(rows)
         data = [f"data.path={tmp_path / 'records.jsonl'}", "data.eval_fraction=0"]

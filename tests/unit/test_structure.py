@@ -187,8 +187,8 @@ def test_the_import_walk_sees_relative_imports_inside_functions(tmp_path):
     assert imports_of("looplib.engines.mod", path, known) == {"looplib.errors", "looplib.engines.optim"}
 
 
-STRATEGY_MODULES = ["activations", "compile", "evaluation", "loss", "muon", "optim", "peft", "precision",
-                    "preference", "schedule"]
+STRATEGY_MODULES = ["activations", "compile", "evaluation", "grpo", "loss", "muon", "optim", "peft", "precision",
+                    "preference", "reward", "schedule"]
 
 
 def test_no_strategy_asks_isinstance_of_an_engine_or_a_bundled_model():

@@ -1,0 +1,271 @@
+"""``loss=grpo``: reinforcement learning against a reward a program checks (Group Relative
+Policy Optimisation), in looplib's loop as it is.
+
+The completions are the data: ``Rollouts`` is the training data source of a run with this loss.
+It holds the model and, each time the loop's accumulation window asks for a micro-batch, takes
+the next batch of prompts (``data=prompts``), samples ``group_size`` completions of each from the
+current policy, scores them (the ``reward`` group: ``looplib.reward.score``) and hands the loop a
+batch of sequences with each completion's group-normalised advantage. A window's batches are
+all sampled before its first forward (``looplib.accumulation`` forms the window first), so every
+completion of a window comes from the weights of the step it trains.
+
+``GRPO`` is then an objective like every other (``looplib.loss``): ``__call__(model, batch)``
+returns the clipped token-level policy-gradient loss **summed** over the completion tokens
+(with ``beta`` x the KL estimate ``exp(r - p) - (r - p) - 1`` to the reference, taken as DPO
+takes it: ``looplib.preference.Reference``), and ``count(batch)`` the completion tokens, so the
+loop divides by the window's completion tokens over every micro-batch and rank: (8 prompts) and
+(4 prompts, accumulation 2) give the same update. The log-probabilities are those of the
+sampling distribution (logits / ``temperature``); with one update per rollout the old policy is
+the current one (ratio 1, its gradient the policy gradient).
+
+Sampling is seeded per prompt: a ``torch.Generator`` seeded by (run seed, epoch, the prompt's
+record), so the completions of a prompt do not depend on the batch size, the accumulation or the
+process count, and a resumed run samples what the uninterrupted one sampled: the generator's
+whole state is a function of the data position, which every checkpoint holds.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Annotated, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+from .loss import TokenCrossEntropy
+from .preference import Reference
+from .reward import score
+from .schema import NonNegative, Positive, Range
+
+log = logging.getLogger("looplib")
+METRICS = ("reward", "reward_std", "completion_tokens", "clipped", "kl", "entropy", "rollout_tokens_per_s")
+
+
+class GRPO(Reference, TokenCrossEntropy):
+    """``loss=grpo`` (the module's docstring). ``epsilon``/``epsilon_high``: the ratio's clip range
+    ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` None: ``epsilon``); ``scale_rewards``:
+    divide each group's centred rewards by its standard deviation (+1e-4)."""
+
+    items = "tokens"
+    label = "grpo"
+    rollouts_needed = True   # needs data=prompts and a reward (looplib.run.rules)
+
+    def __init__(self, group_size: Annotated[int, Range(ge=2)] = 4, max_new_tokens: Positive[int] = 64,
+                 temperature: Positive[float] = 1.0, top_p: Annotated[float, Range(gt=0, le=1)] = 1.0,
+                 epsilon: Positive[float] = 0.2, epsilon_high: Positive[float] | None = None,
+                 beta: NonNegative[float] = 0.0, scale_rewards: bool = True, ignore_index: int = -100):
+        super().__init__(ignore_index)
+        if group_size < 2:
+            raise ConfigError("loss.group_size", f"group_size={group_size}: a group of one has no advantage",
+                              "use loss.group_size=2 or more (e.g. 8)")
+        self.group_size, self.max_new_tokens = group_size, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.epsilon, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+        self.beta, self.scale_rewards = beta, scale_rewards
+        self.tallies = {True: None, False: None}
+        self.sampled = [0.0, 0.0]   # tokens sampled and seconds spent sampling since the last logging step (Rollouts)
+        self.reward_sums = {}       # a Weighted reward's parts: name -> [sum, sum of squares, count] (Rollouts)
+
+    def attach(self, model, engine=None) -> None:
+        if self.beta:  # the reference only where the KL is asked for (no copy otherwise)
+            super().attach(model, engine)
+
+    def count(self, batch) -> int:
+        if "advantages" not in batch:
+            raise ConfigError("data", "loss=grpo got a batch without completions (no 'advantages')",
+                              "use data=prompts with a reward (+reward=exact_answer): the completions are sampled")
+        return int((batch["labels"] != self.ignore_index).sum())
+
+    def logps(self, model, batch, entropy: bool = False) -> torch.Tensor:
+        """Each label's log-probability under the sampling distribution (0 where not counted);
+        ``entropy``: also the distribution's entropy summed over the counted tokens (``self.entropy``)."""
+        logits = model(batch["input_ids"], **self.inputs(model, batch)).float() / self.temperature
+        labels = batch["labels"]
+        if entropy:
+            self.entropy = summed_entropy(logits.detach().flatten(0, -2), labels.flatten() != self.ignore_index)
+        return -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=self.ignore_index,
+                                reduction="none").view(labels.shape)
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        self.count(batch)
+        mask = (batch["labels"] != self.ignore_index).float()
+        logp = self.logps(model, batch, entropy=True)
+        old = batch.get("old_logps")
+        old = logp.detach() if old is None else old
+        ratio = torch.exp(logp - old)
+        adv = batch["advantages"].to(logp.dtype)[:, None]
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+        kl = torch.zeros_like(logp)
+        if self.beta:
+            ref = self.reference_logps(model, batch)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            per_token = per_token + self.beta * kl
+        self.tally(batch, mask, ((ratio - clipped).abs() > 0).float() * mask, kl * mask)
+        return (per_token * mask).sum()
+
+    def tally(self, batch, mask, clipped, kl) -> None:
+        rewards = batch.get("rewards")
+        if rewards is None:
+            return
+        rewards = rewards.to(mask.device, torch.float64)
+        sums = torch.stack([rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(len(rewards)), device=mask.device,
+                            dtype=torch.float64), mask.sum().double(), clipped.sum().double(), kl.sum().double(),
+                            self.entropy.double()])
+        training = torch.is_grad_enabled()
+        self.tallies[training] = sums.detach() if self.tallies[training] is None else self.tallies[training] + sums
+
+    def train_metrics(self, reduce=None) -> dict:
+        """Since the last logging step: the mean and spread of the reward, completion tokens per
+        completion, the share of tokens whose ratio was clipped, the KL per token (then reset)."""
+        sums, self.tallies[True] = self.tallies[True], None
+        if sums is None:
+            return {}
+        names = sorted(self.reward_sums)  # (the same on every rank: one reward config)
+        host = self.sampled + [v for name in names for v in self.reward_sums[name]]
+        sums = torch.cat([sums, torch.tensor(host, dtype=sums.dtype, device=sums.device)])
+        self.sampled, self.reward_sums = [0.0, 0.0], {}
+        if reduce is not None:
+            sums = reduce(sums)
+        r, r2, n, tokens, clipped, kl, entropy, sampled, seconds, *parts = sums.tolist()
+        n, tokens = max(n, 1.0), max(tokens, 1.0)
+        out = dict(zip(METRICS, (*mean_std(r, r2, n), tokens / n, clipped / tokens, kl / tokens, entropy / tokens,
+                                 sampled / seconds if seconds else 0.0)))
+        for i, name in enumerate(names):  # each part of a Weighted reward, unweighted
+            out[f"reward_{name}"], out[f"reward_{name}_std"] = mean_std(*parts[3 * i:3 * i + 3])
+        return out
+
+    def rollouts(self, loader, model: Callable[[], torch.nn.Module], reward, data, engine, precision, seed: int):
+        """The run's training data: ``loader``'s prompts, sampled and scored (``Rollouts``)."""
+        return Rollouts(loader, self, model, reward, data, engine, precision, seed)
+
+
+def summed_entropy(logits: torch.Tensor, counted: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The entropy of softmax(``logits``) summed over the ``counted`` rows, ``chunk`` rows at a time (no
+    second copy of the whole logits), without gradients."""
+    rows = counted.nonzero().squeeze(1)
+    total = logits.new_zeros(())
+    with torch.no_grad():
+        for start in range(0, len(rows), chunk):
+            part = logits[rows[start:start + chunk]]
+            total += torch.special.entr(torch.softmax(part, dim=-1)).sum()  # (a padded vocabulary's -inf: 0)
+    return total
+
+
+def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
+    n = max(n, 1.0)
+    mean = total / n
+    return mean, max(squares / n - mean * mean, 0.0) ** 0.5
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+    """Each reward less its group's mean, divided by the group's standard deviation (+1e-4) when ``scale``."""
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(dim=1, keepdim=True) + 1e-4)
+    return centred.flatten()
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` kept on the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # (the most likely token always)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(model, prompt: torch.Tensor, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+           stop: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` completions of one prompt (1-D ids), ``(n, new)``: a row that sampled ``stop`` is
+    padded with it. The model is called on whole sequences (no cache yet); one host sync per
+    token, for the stop check."""
+    ids = prompt[None].expand(n, -1)
+    done = torch.zeros(n, dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        probs = torch.softmax(model(ids)[:, -1].float() / temperature, dim=-1)
+        if top_p < 1:
+            probs = nucleus(probs, top_p)
+        new = torch.multinomial(probs, 1, generator=generator)
+        if stop is not None:
+            new = new.masked_fill(done[:, None], stop)
+            done |= new[:, 0] == stop
+        ids = torch.cat([ids, new], dim=1)
+        if stop is not None and bool(done.all()):
+            break
+    return ids[:, len(prompt):]
+
+
+def prompt_seed(seed: int, epoch: int, index: int) -> int:
+    """The generator seed of one prompt's group in one epoch."""
+    return (seed * 1_000_003 + epoch * 999_983 + index * 7_919 + 1) % 2**63
+
+
+class Rollouts:
+    """The training data of ``loss=grpo`` (the module's docstring): iterating yields one rollout
+    batch per batch of ``loader``'s prompts. ``sampler``, ``batch_size`` and ``generator`` are the
+    loader's, so ``looplib.data.Epochs`` seeds, counts and resumes it as it does the loader."""
+
+    def __init__(self, loader, objective: GRPO, model: Callable[[], torch.nn.Module], reward, data, engine,
+                 precision, seed: int):
+        self.loader, self.objective, self.model, self.reward = loader, objective, model, reward
+        self.data, self.engine, self.precision, self.seed = data, engine, precision, seed
+        self.sampler, self.batch_size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
+        self.generator = getattr(loader, "generator", None)
+        self.stop = getattr(data, "eos_id", None)
+        self.pad = next((i for i in (getattr(data, "pad_id", None), self.stop) if i is not None), 0)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for prompts in self.loader:
+            yield self.rollout(prompts)
+
+    def completions(self, prompts: dict) -> list[torch.Tensor]:
+        """Each prompt's ``group_size`` completions, sampled in eval mode without gradients."""
+        o, device = self.objective, self.engine.device
+        model = self.engine.unwrap(self.model())
+        epoch = getattr(self.sampler, "epoch", 0)
+        was, out, t0 = model.training, [], time.perf_counter()
+        model.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                for ids, index in zip(prompts["prompt_ids"], prompts["index"].tolist()):
+                    gen = torch.Generator(device).manual_seed(prompt_seed(self.seed, epoch, index))
+                    out.append(sample(model, ids.to(device), o.group_size, o.max_new_tokens, o.temperature, o.top_p,
+                                      self.stop, gen))
+        finally:
+            model.train(was)
+        o.sampled[0] += sum(g.numel() for g in out)  # (read back with the stop checks already: no extra sync)
+        o.sampled[1] += time.perf_counter() - t0
+        return out
+
+    def rollout(self, prompts: dict) -> dict:
+        """A batch of prompts -> sequences, labels on the completion tokens (through the first
+        ``stop``), each completion's reward and advantage."""
+        o, g = self.objective, self.objective.group_size
+        groups = self.completions(prompts)
+        rows, texts = [], []
+        for ids, group in zip(prompts["prompt_ids"], groups):
+            for completion in group.cpu():
+                ended = (completion == self.stop).nonzero() if self.stop is not None else []
+                length = int(ended[0]) + 1 if len(ended) else len(completion)
+                rows.append((ids, completion[:length]))
+                texts.append(self.data.decode(completion[:length - 1 if len(ended) else length].tolist()))
+        field = getattr(self.data, "prompt_field", "prompt")
+        records = [r for r in map(copy.deepcopy, prompts["records"]) for _ in range(g)]  # (a reward may change them)
+        rewards = score(self.reward, [r.get(field) for r in records], texts, records, o.reward_sums)
+        width = max(len(p) + len(c) for p, c in rows) - 1
+        batch = {"input_ids": torch.full((len(rows), width), self.pad, dtype=torch.long),
+                 "labels": torch.full((len(rows), width), o.ignore_index, dtype=torch.long),
+                 "attention_mask": torch.zeros((len(rows), width), dtype=torch.long)}
+        for i, (p, c) in enumerate(rows):
+            seq = torch.cat([p, c])
+            batch["input_ids"][i, :len(seq) - 1], batch["attention_mask"][i, :len(seq) - 1] = seq[:-1], 1
+            batch["labels"][i, len(p) - 1:len(seq) - 1] = c
+        batch["rewards"] = rewards.float()
+        batch["advantages"] = group_advantages(rewards, g, o.scale_rewards).float()
+        return batch
