@@ -120,6 +120,11 @@ class Preference(TokenCrossEntropy):
         return -F.logsigmoid(logits) * (1 - ls) - F.logsigmoid(-logits) * ls
 
 
+def adapters_of(model: torch.nn.Module):
+    """The peft model inside ``model`` whose adapters can be switched off, or None."""
+    return next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")), None)
+
+
 class Reference:
     """An objective that compares the policy with the policy as training started (DPO; GRPO's KL):
     ``attach(model, engine)`` takes it (the module's docstring), ``reference_logps`` runs it."""
@@ -129,10 +134,9 @@ class Reference:
 
     def attach(self, model: torch.nn.Module, engine=None) -> None:
         """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``."""
-        self.adapters = next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")),
-                             None)
+        self.adapters = adapters_of(model)
         if self.adapters is not None:
-            log.info("%s reference: the model with its LoRA adapters switched off (no second copy)", self.label)
+            log.info("%s reference: the model with its LoRA adapters switched off (no second copy)", self.label.upper())
             return
         if not getattr(engine, "keeps_modules", True):
             raise ConfigError("loss", f"loss={self.label}'s reference for full fine-tuning is a frozen copy of the model, and "
@@ -142,14 +146,15 @@ class Reference:
         inner = engine.unwrap(model) if engine is not None else model
         self.reference = copy.deepcopy(inner).requires_grad_(False).eval()
         size = sum(t.numel() * t.element_size() for t in self.reference.state_dict().values())
-        log.info("%s reference: a frozen copy of the starting weights (%.1f MB)", self.label, size / 2**20)
+        log.info("%s reference: a frozen copy of the starting weights (%.1f MB)", self.label.upper(), size / 2**20)
 
     @contextmanager
     def switched_off(self, model):
+        """The model as training started: in eval mode, its adapters (if any) switched off."""
         was = model.training
         model.eval()
         try:
-            with self.adapters.disable_adapter():
+            with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
                 yield
         finally:
             model.train(was)
@@ -194,8 +199,6 @@ class DPO(Reference, Preference):
         (``precomputed``: neither; ``prepare`` then runs the model once). Its identity is the
         digest of the starting weights (``looplib.reference.weights_digest``)."""
         from .reference import weights_digest
-        self.adapters = next((m for m in model.modules() if hasattr(m, "disable_adapter") and hasattr(m, "peft_config")),
-                             None)
         if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
             # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
             raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
@@ -205,19 +208,9 @@ class DPO(Reference, Preference):
         self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
         self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
         if self.mode == "precomputed":
-            return  # computed once by ``prepare``, with the model as it is now: no copy
-        if self.adapters is not None:
-            log.info("DPO reference: the model with its LoRA adapters switched off (no second copy)")
+            self.adapters = adapters_of(model)  # computed once by ``prepare``, with the model as it is now: no copy
             return
-        if not getattr(engine, "keeps_modules", True):
-            raise ConfigError("loss", f"loss=dpo's reference for full fine-tuning is a frozen copy of the model, and "
-                              f"+engine={getattr(engine, 'label', type(engine).__name__)} shards the model's weights, "
-                              "which looplib does not copy yet", "use +peft=lora (the reference is the adapters "
-                              "switched off), or the local or DDP engine")
-        inner = engine.unwrap(model) if engine is not None else model
-        self.reference = copy.deepcopy(inner).requires_grad_(False).eval()
-        size = sum(t.numel() * t.element_size() for t in self.reference.state_dict().values())
-        log.info("DPO reference: a frozen copy of the starting weights (%.1f MB)", size / 2**20)
+        super().attach(model, engine)
 
     def prepare(self, model, corpus, engine, precision, batch_size: int) -> None:
         """``loss.reference=precomputed``: every pair's reference log-probabilities, computed once
@@ -227,16 +220,6 @@ class DPO(Reference, Preference):
             if self.identity is None:
                 self.attach(model, engine)
             self.identity["digest"] = precompute(self, model, corpus, engine, precision, batch_size)
-
-    @contextmanager
-    def switched_off(self, model):
-        was = model.training
-        model.eval()
-        try:
-            with self.adapters.disable_adapter() if self.adapters is not None else nullcontext():
-                yield
-        finally:
-            model.train(was)
 
     def reference_logps(self, model, batch, live: bool = False):
         """The reference's summed log-probability of each row's completion: the batch's own
