@@ -31,7 +31,7 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Overrid
 from hydra.core.utils import JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from looplib.run import rundir
+from looplib.store import rundir
 from looplib.errors import EXIT_CONFIG, ConfigError
 
 from ._comparable import check_geometry, check_signature, command, geometry
