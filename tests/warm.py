@@ -63,6 +63,9 @@ def run_as_main(module: str, args: list[str], cwd: str, env: dict, base_path: li
     os.environ.update(env)
     for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
         warnings._setoption(option)  # what -W / PYTHONWARNINGS do at start-up
+    if env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+        faulthandler.enable()
     if env.get("OMP_NUM_THREADS"):
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -85,6 +88,9 @@ def run_as_main(module: str, args: list[str], cwd: str, env: dict, base_path: li
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # the interpreter prints it and, once shut down, ends killed by SIGINT
+        sys.excepthook(*sys.exc_info())
+        code = None
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -97,6 +103,10 @@ def run_as_main(module: str, args: list[str], cwd: str, env: dict, base_path: li
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code is None:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 

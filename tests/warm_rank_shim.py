@@ -39,7 +39,8 @@ def main() -> None:
     if status < 0:
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
         os._exit(128 - status)  # a signal that does not end a process by default (not one a rank dies of)
     os._exit(status)
