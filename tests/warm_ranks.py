@@ -60,8 +60,13 @@ def torchrun_args(args: list[str]) -> list[str]:
     workers are warm ranks; as they are under ``LOOPLIB_TEST_FRESH=1`` or ``--no-python``."""
     from torch.distributed.run import get_args_parser
     args = [str(a) for a in args]
-    parsed = get_args_parser().parse_args(args)
-    if not warm_on() or parsed.no_python:
+    if not warm_on():
+        return args
+    try:
+        parsed = get_args_parser().parse_args(args)
+    except SystemExit:  # not a command torchrun takes: as it is, for torchrun to refuse
+        return args
+    if parsed.no_python:
         return args
     at = len(args) - len(parsed.training_script_args) - 1
     assert args[at] == parsed.training_script, args
@@ -153,8 +158,13 @@ def rank(request: dict, fds: list[int], shim: int, base_path: list[str]) -> None
                                               errors="backslashreplace" if fd == 2 else None))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
 
+    me, getppid = os.getpid(), os.getppid
+
     def launcher() -> int:
-        """A worker's parent is torchrun's agent: here, the shim's parent (1 once the shim is gone)."""
+        """A worker's parent is torchrun's agent: here, the shim's parent (1 once the shim is gone);
+        in a process this rank forks (a data loader's worker), its real parent."""
+        if os.getpid() != me:
+            return getppid()
         try:
             return int(Path(f"/proc/{shim}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
