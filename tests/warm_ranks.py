@@ -47,7 +47,7 @@ def address() -> str:
 
 
 def stop(server) -> None:
-    server.terminate()
+    server.kill()  # not SIGTERM: a test process that ran train_model in-process may ignore it, and so would its forks
     server.join(10)
 
 
@@ -89,6 +89,8 @@ def serve(name: str, base_path: list[str], listening) -> None:
     """Forks a rank for each shim that connects, and tells the shim its pid, then its exit status
     (multiprocessing's: -N when killed by signal N). Ends when the test process is gone."""
     import multiprocessing
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # what the test process ignored (inherited) is not ours
+        signal.signal(sig, signal.SIG_DFL)
     fork = multiprocessing.get_context("fork")
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
