@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import warm
+import warm_ranks
 from looplib.data import RandomTokens
 from looplib.models import GPT
 
@@ -39,9 +40,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 def run_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "looplib.train",
             timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run ``python -m looplib.train ARGS`` the way a user types it: in a fork of an interpreter
-    that has done its imports already (tests/warm.py), or with ``fresh``, a new interpreter."""
+    that has done its imports already (tests/warm.py; torchrun's workers too, tests/warm_ranks.py),
+    or with ``fresh``, a new interpreter."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0", **(env or {})}  # no loss.png: CI time
     if not fresh and os.environ.get("LOOPLIB_TEST_FRESH", "0") == "0":
+        if module == "torch.distributed.run":  # its workers too: warm ranks (tests/warm_ranks.py)
+            args = warm_ranks.torchrun_args(list(args))
         return warm.run(module, args, cwd, full_env, timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)

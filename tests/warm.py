@@ -45,18 +45,27 @@ def context():
 
 def main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str, base_path: list[str]) -> None:
     """In the forked interpreter: what ``python -m module args`` does after start-up."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    run_as_main(module, args, cwd, env, base_path)
+
+
+def run_as_main(module: str, args: list[str], cwd: str, env: dict, base_path: list[str], script: bool = False):
+    """What ``python -m module args`` (``script``: ``python module args``, a path) does after
+    start-up, in a fork of the warm interpreter whose standard streams are in place; never returns."""
     import runpy
     import warnings
 
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
     for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
         warnings._setoption(option)  # what -W / PYTHONWARNINGS do at start-up
+    if env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+        faulthandler.enable()
     if env.get("OMP_NUM_THREADS"):
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -64,17 +73,24 @@ def main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str, 
         import torch._dynamo
         torch._dynamo.config.disable = env["TORCHDYNAMO_DISABLE"] in ("1", "true", "True")
     sys.argv = [module, *args]
-    # python -m's path: the working directory, PYTHONPATH, then the interpreter's own
-    sys.path[:] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base_path]
+    # python -m's path: the working directory (a script's: its folder), PYTHONPATH, then the interpreter's own
+    first = os.path.dirname(os.path.realpath(os.path.join(cwd, module))) if script else cwd
+    sys.path[:] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *base_path]
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:  # as the interpreter reads it: None 0, a number itself, anything else printed, 1
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # the interpreter prints it and, once shut down, ends killed by SIGINT
+        sys.excepthook(*sys.exc_info())
+        code = None
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -87,6 +103,10 @@ def main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str, 
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code is None:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 

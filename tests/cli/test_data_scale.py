@@ -15,6 +15,7 @@ from looplib.data.readers import CHUNK_BYTES, text_pieces
 from looplib.errors import ConfigError
 
 from conftest import REPO
+import warm_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -190,8 +191,8 @@ def test_a_cold_cache_is_built_once_under_torchrun(tmp_path):
         (tmp_path / "texts" / f"d{i}.txt").write_text(" ".join(words))
     (tmp_path / "build.py").write_text(BUILD_ONCE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), "--tee", "3", str(tmp_path / "build.py"), str(tmp_path)],
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "--tee", "3", str(tmp_path / "build.py"), str(tmp_path)]),
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -362,11 +363,11 @@ def test_a_refusal_while_the_data_is_built_reaches_the_waiting_rank(tmp_path):
         (tmp_path / "texts" / f"d{i}.txt").write_text("the model learns the loop " * 3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore",
            "LOOPLIB_EXIT_FILE": str(tmp_path / "status")}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(free_port()), "--tee", "3", "-m", "looplib.train", "data=text",
                         f"data.path={tmp_path / 'texts'}", "data.vocab_size=300", "data.eval_fraction=0",
                         "model.seq_len=512", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "max_steps=2",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        f"hydra.run.dir={tmp_path / 'run'}"]), cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     out = r.stdout + r.stderr
     said = re.findall(r"^\[default(\d)\]:(looplib: .*)$", out, re.M)

@@ -31,6 +31,7 @@ from looplib.store.saving import Checkpoints
 from looplib.train_state import TrainState
 
 from conftest import REPO, run_cli
+import warm_ranks
 
 TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
         "model.seq_len=16", "batch_size=4", "log_every=1", "eval_every=0", "eval_samples=4", "sample_tokens=0",
@@ -49,7 +50,10 @@ def files(root: Path) -> dict:
 
 
 def start(*args, cwd, module="looplib.train", env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env={**os.environ, **ENV, **(env or {})},
+    argv = [sys.executable, "-m", module, *args]
+    if module == "torch.distributed.run":
+        argv = warm_ranks.command(argv)
+    return subprocess.Popen(argv, cwd=cwd, env={**os.environ, **ENV, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -403,9 +407,9 @@ def test_workers_whose_launcher_is_killed_save_and_exit_75(tmp_path):
     at the next step boundary with a checkpoint, exit 75, as on SIGTERM (the exit file says 75).
     The helper is the workers' subreaper, so it reads their statuses once torchrun is gone."""
     run_dir, status = tmp_path / "run", tmp_path / "status"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    launcher = warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                 str(free_port()), "-m", "looplib.train", "+engine=ddp", *TINY, "max_steps=100000",
-                "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"]
+                "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"])
     r = subprocess.run([sys.executable, "-c", ORPHANED, *launcher], cwd=tmp_path, capture_output=True, text=True,
                        timeout=400, env={**os.environ, **ENV, "LOOPLIB_EXIT_FILE": str(status)})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
+import warm_ranks
 
 TINY = ["data=random", "data.n_train=64", "data.n_eval=8", "data.vocab_size=64", "model.n_layer=1", "model.d_model=32",
         "model.n_head=2", "model.seq_len=16"]
@@ -220,9 +221,9 @@ def test_help_prints_the_usage_and_every_tune_key(capsys):
 @pytest.mark.slow
 def test_under_torchrun_the_engines_are_candidates_and_the_ranks_agree(tmp_path):
     env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "looplib.tune",
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "looplib.tune",
                         *TINY, "batch_size=2", "tune.search=[engine]", "tune.options.engine=[fsdp]", *BARE,
-                        "tune.steps=1", f"hydra.run.dir={tmp_path / 't'}"],
+                        "tune.steps=1", f"hydra.run.dir={tmp_path / 't'}"]),
                        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "t" / "tune.json").read_text())
@@ -280,9 +281,9 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
            "LOOPLIB_EXIT_FILE": str(tmp_path / "status")}
     job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
            "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    proc = subprocess.Popen(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              str(free_port()), "-m", "looplib.tune", *job, "tune.search=[batch]", *BARE,
-                             "tune.repeats=1", "tune.timeout_s=60", f"hydra.run.dir={tmp_path / 't'}"],
+                             "tune.repeats=1", "tune.timeout_s=60", f"hydra.run.dir={tmp_path / 't'}"]),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     second, deadline, children = str(tmp_path / "t" / "candidates" / "001"), time.time() + 300, []
     while len(children) < 2 and proc.poll() is None and time.time() < deadline:  # both ranks' second candidate

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, random_tokens, tiny_gpt
+import warm_ranks
 from looplib import AdamW, ConfigError, Interrupted, RandomCorpus, train_model
 from looplib.loggers import Logger
 
@@ -61,8 +62,8 @@ def test_distributed_engines_cli_path_equals_train_model(tmp_path):
     unsynchronised DeepSpeed replicas: engine.prepare was never called)."""
     pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "ddp", "fsdp", "deepspeed"],
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "ddp", "fsdp", "deepspeed"]),
                        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for engine in ("ddp", "fsdp", "deepspeed"):
@@ -74,8 +75,8 @@ def test_train_model_under_torchrun_without_an_engine_trains_ddp_as_the_command_
     one run (one set of checkpoints, every rank ending with the same weights), bit for bit the
     command line's run; not one copy of the job per rank writing the same files."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "none"],
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(REPO / "tests" / "assembly_worker.py"), str(tmp_path), "none"]),
                        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cli, api = tmp_path / "none" / "cli", tmp_path / "none" / "api"

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
+import warm_ranks
 from looplib.engines.launch import free_port
 from test_engines_ddp import QUICK, rows, torchrun
 
@@ -102,9 +103,9 @@ def test_a_lost_node_does_not_end_the_run(tmp_path):
 
     def agent(host: bool) -> subprocess.Popen:
         conf = f"is_host={str(host).lower()},last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node",
+        return subprocess.Popen(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node",
                                  "1", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                 f"127.0.0.1:{port}", "--rdzv-conf", conf, "-m", "looplib.train", *job],
+                                 f"127.0.0.1:{port}", "--rdzv-conf", conf, "-m", "looplib.train", *job]),
                                 cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
 
@@ -152,8 +153,8 @@ def test_train_model_under_torchrun_resumes_after_sigterm_as_the_uninterrupted_r
     worker = str(REPO / "tests" / "api_torchrun_worker.py")
 
     def command(run: Path) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), worker, str(run)]
+        return warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), worker, str(run)])
 
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = subprocess.run(command(ref), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_model
 
 import dist_workers as W
 from conftest import gpu, needs_bnb, run_cli
+import warm_ranks
 from looplib.engines.deepspeed import CPUAdam
 from looplib.engines.fsdp import FSDP as FSDPEngine
 from looplib.engines.launch import free_port
@@ -85,9 +86,9 @@ def test_preempted_run_resumes_bitwise_and_onto_one_process(tmp_path):
     assert set(json.loads((ckpt / "manifest.json").read_text())["files"]) >= {f"shards/{s}" for s in shards}
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    cmd = warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), "-m", "looplib.train", *FSDP, "batch_size=4", "checkpoint.async=true",
-           f"hydra.run.dir={run}"]
+           f"hydra.run.dir={run}"])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics, deadline = run / "metrics.jsonl", time.time() + 300

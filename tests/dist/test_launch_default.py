@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import run_cli
+import warm_ranks
 from looplib.engines.launch import free_port
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
@@ -18,7 +19,7 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "looplib.train", *JOB]
+    return warm_ranks.command([sys.executable, "-m", "torch.distributed.run", *args, "-m", "looplib.train", *JOB])
 
 
 def losses(cwd) -> list[float]:

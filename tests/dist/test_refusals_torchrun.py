@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import has_bitsandbytes
+import warm_ranks
 from looplib.engines.launch import free_port
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: refusing.py
@@ -27,9 +28,9 @@ def torchrun(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> tu
     status.write_text("stale\n")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "LOOPLIB_EXIT_FILE": str(status),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    r = subprocess.run(warm_ranks.command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         str(free_port()), "--tee", "3", "-m", "looplib.train", *JOB, *overrides,
-                        f"hydra.run.dir={run_dir or tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        f"hydra.run.dir={run_dir or tmp_path / 'run'}"]), cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     out = r.stdout + r.stderr
     said: dict[int, list[str]] = {0: [], 1: []}
