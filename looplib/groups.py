@@ -109,7 +109,7 @@ GROUPS: list[Group] = [
                 "before the model moves to its device; `save(model, run_dir)` at the end"),
     Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation",
           calls="`__call__(model, batches, objective, precision, engine) -> float` (mean loss per item)"),
-    Group("reward", object, made(NoReward), None, True, "reward", "reward", calls=(
+    Group("reward", object, made(NoReward), "none", True, "reward", "reward", calls=(
         "`reward(prompts, completions, records) -> list[float]`, one finite number per completion, for `loss=grpo` "
         "(a function: `reward._target_=my_pkg.fn`; several: `looplib.reward.Weighted`) ([post-training.md]"
         "(post-training.md#reinforcement-learning-with-verifiable-rewards-grpo))")),
