@@ -282,7 +282,7 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
     job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",
            "eval_samples=0", "sample_tokens=0", "checkpoint.enabled=false"]
     # fresh ranks (not tests/warm_ranks.py's shims): the signal goes to the rank process itself, as a
-    # scheduler's would (through a shim, 1 run in 8 ended with one rank's 75 in torchrun's summary)
+    # scheduler's would
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              str(free_port()), "-m", "looplib.tune", *job, "tune.search=[batch]", *BARE,
                              "tune.repeats=1", "tune.timeout_s=60", f"hydra.run.dir={tmp_path / 't'}"],
@@ -300,7 +300,10 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
     out, err = proc.communicate(timeout=120)  # (it hung for 500 s)
     assert not any(alive(pid) for pid in children), "a candidate outlived the stop"
     assert not [p for p in os.listdir("/proc") if p.isdigit() and group_of(p) in children]
-    assert err.count("exitcode  : 75") == 2, out[-3000:] + err[-3000:]  # torchrun's summary: each rank 75
+    # torchrun's summary lists the ranks that ended before its monitor saw the first one go (it then sends
+    # SIGTERM to the rest and lists no more): rank 1's 75 always, rank 0's when it ended first (a race;
+    # 2026-11-28's CI lost it once). Rank 0's own stop is checked below (its tune.json, one line each).
+    assert 1 <= err.count("exitcode  : 75") <= 2 and "exitcode  : 1\n" not in err, out[-3000:] + err[-3000:]
     assert (tmp_path / "status").read_text() == "75\n"  # LOOPLIB_EXIT_FILE: a job script reads it
     assert err.count("Traceback (most recent call last)") <= 1 and "looplib" not in err.split("ChildFailedError")[0]
     result = json.loads((tmp_path / "t" / "tune.json").read_text())
