@@ -37,6 +37,7 @@ from .errors import ConfigError
 from .loss import TokenCrossEntropy
 from .preference import Reference
 from .reward import score
+from .sampling import nucleus, sample, sample_groups  # noqa: F401 (nucleus, sample: their home was here)
 from .schema import NonNegative, Positive, Range
 
 log = logging.getLogger("looplib")
@@ -169,35 +170,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
     return centred.flatten()
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` kept on the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # (the most likely token always)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
-    return kept / kept.sum(-1, keepdim=True)
-
-
-def sample(model, prompt: torch.Tensor, n: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-           stop: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` completions of one prompt (1-D ids), ``(n, new)``: a row that sampled ``stop`` is
-    padded with it. The model is called on whole sequences (no cache yet); one host sync per
-    token, for the stop check."""
-    ids = prompt[None].expand(n, -1)
-    done = torch.zeros(n, dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        probs = torch.softmax(model(ids)[:, -1].float() / temperature, dim=-1)
-        if top_p < 1:
-            probs = nucleus(probs, top_p)
-        new = torch.multinomial(probs, 1, generator=generator)
-        if stop is not None:
-            new = new.masked_fill(done[:, None], stop)
-            done |= new[:, 0] == stop
-        ids = torch.cat([ids, new], dim=1)
-        if stop is not None and bool(done.all()):
-            break
-    return ids[:, len(prompt):]
-
-
 def prompt_seed(seed: int, epoch: int, index: int) -> int:
     """The generator seed of one prompt's group in one epoch."""
     return (seed * 1_000_003 + epoch * 999_983 + index * 7_919 + 1) % 2**63
@@ -225,23 +197,30 @@ class Rollouts:
             yield self.rollout(prompts)
 
     def completions(self, prompts: dict) -> list[torch.Tensor]:
-        """Each prompt's ``group_size`` completions, sampled in eval mode without gradients."""
+        """Each prompt's ``group_size`` completions, sampled together in eval mode without gradients
+        (``looplib.sampling.sample_groups``), each prompt's rows with its own seeded generator."""
         o, device = self.objective, self.engine.device
         model = self.engine.unwrap(self.model())
         epoch = getattr(self.sampler, "epoch", 0)
-        was, out, t0 = model.training, [], time.perf_counter()
+        was, t0 = model.training, time.perf_counter()
+        gens = [torch.Generator(device).manual_seed(prompt_seed(self.seed, epoch, index))
+                for index in prompts["index"].tolist()]
         model.eval()
         try:
             with torch.no_grad(), self.precision.autocast():
-                for ids, index in zip(prompts["prompt_ids"], prompts["index"].tolist()):
-                    gen = torch.Generator(device).manual_seed(prompt_seed(self.seed, epoch, index))
-                    out.append(sample(model, ids.to(device), o.group_size, o.max_new_tokens, o.temperature, o.top_p,
-                                      self.stop, gen))
+                out = sample_groups(model, [ids.to(device) for ids in prompts["prompt_ids"]], o.group_size,
+                                    o.max_new_tokens, o.temperature, o.top_p, self.stop, gens, self.pad, self.finished)
         finally:
             model.train(was)
         o.sampled[0] += sum(g.numel() for g in out)  # (read back with the stop checks already: no extra sync)
         o.sampled[1] += time.perf_counter() - t0
         return out
+
+    def finished(self, done: torch.Tensor) -> bool:
+        """Every row done, on every process: their forwards stay in step (FSDP gathers in each one)."""
+        if self.engine.world_size == 1:
+            return bool(done.all())
+        return int(self.engine.sum_across_ranks((~done).sum())) == 0
 
     def rollout(self, prompts: dict) -> dict:
         """A batch of prompts -> sequences, labels on the completion tokens (through the first

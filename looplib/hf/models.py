@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models.gpt import GPT, weights_loaded
+from ..sampling import Decoding
 from ..schema import Positive
 from .config import (check_keys, check_model_dir, check_positions, config_class_for, config_keys, import_transformers,
                      load_config, load_weights, model_positions, window)
@@ -124,7 +125,14 @@ class CausalLM(HFModel):
                          max_shard_size, config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, hidden_only: bool = False,
+                cache: HFCache | None = None) -> torch.Tensor:
+        if cache is not None:  # decoding (looplib.sampling): transformers' own cache, its positions and padding mask
+            end = cache.length + input_ids.shape[1]
+            out = self.hf(input_ids=input_ids, attention_mask=cache.valid[:, :end].long(),
+                          position_ids=cache.positions(input_ids.shape[1]), use_cache=True, **cache.names)
+            cache.length = end  # (transformers' cache grows in place)
+            return out.logits
         # position_ids restarting at 0 without an attention_mask: packed examples (looplib.data.Packed)
         if hidden_only:  # the decoder's last hidden states, before lm_head (loss=lm_chunked)
             causal = self.hf.get_base_model() if hasattr(self.hf, "peft_config") else self.hf  # under LoRA: peft's
@@ -144,7 +152,27 @@ class CausalLM(HFModel):
                                   "chunked loss would skip", "use loss=lm with this model")
         return self.hf.get_output_embeddings()
 
+    def decoding_cache(self, valid: torch.Tensor) -> HFCache:
+        """An empty cache for decoding rows of ``valid``'s shape (``looplib.sampling``): transformers'
+        ``DynamicCache`` (under LoRA too: peft hands ``past_key_values`` to the model inside)."""
+        causal = self.hf.get_base_model() if hasattr(self.hf, "peft_config") else self.hf
+        takes = inspect.signature(causal.forward).parameters  # the names changed over transformers' versions
+        past = import_transformers().DynamicCache(config=self.hf.config)
+        names = {"cache" if "cache" in takes else "past_key_values": past}
+        keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in takes), None)
+        if keep is not None:  # the sampler reads the last position's logits alone: the others are not computed
+            names[keep] = 1
+        return HFCache(valid, past, names)
+
     generate = GPT.generate  # the same top-k sampling loop as the bundled model (it only calls self)
+
+
+class HFCache(Decoding):
+    """A transformers model's decoding cache: the rows' padding and positions, and its own cache."""
+
+    def __init__(self, valid: torch.Tensor, past, names: dict):
+        super().__init__(valid)
+        self.past, self.names = past, names  # names: the keyword arguments the model takes them by
 
 
 class SequenceClassifier(HFModel):

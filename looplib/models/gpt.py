@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..sampling import Decoding
 from ..schema import Beta, Positive
 
 
@@ -23,9 +24,11 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x, attn_mask=None):
+    def forward(self, x, attn_mask=None, cache: LayerCache | None = None):
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # decoding (looplib.sampling): the new positions against the cached ones
+            return self.proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, c))
         # SDPA picks flash / memory-efficient kernels on CUDA when it can
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal,
                                            dropout_p=self.dropout if self.training else 0.0)
@@ -41,8 +44,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(approximate="tanh"),
                                  nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
 
-    def forward(self, x, attn_mask=None):
-        x = x + self.attn(self.ln1(x), attn_mask)
+    def forward(self, x, attn_mask=None, cache: LayerCache | None = None):
+        x = x + (self.attn(self.ln1(x), attn_mask) if cache is None else self.attn(self.ln1(x), cache=cache))
         return x + self.mlp(self.ln2(x))
 
 
@@ -89,7 +92,9 @@ class GPT(nn.Module):
         """The output projection (tied to ``tok_emb``); rows past ``vocab_size`` are padding."""
         return self.head
 
-    def forward(self, input_ids: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, hidden_only: bool = False, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            return self.decode(input_ids, cache)
         t = input_ids.shape[1]
         pos = torch.arange(t, device=input_ids.device)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
@@ -100,6 +105,26 @@ class GPT(nn.Module):
             return x
         logits = self.head(x)
         # padded rows sliced off: a view, the matmul keeps its padded (aligned) shape
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
+
+    def decoding_cache(self, valid: torch.Tensor) -> KVCache:
+        """An empty key/value cache for decoding rows of ``valid``'s shape (``looplib.sampling``)."""
+        return KVCache(valid, len(self.blocks))
+
+    def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next token's logits ``(rows, 1, vocab)`` after ``t`` more positions of every row, reading the cached keys and values
+        of the earlier ones and adding theirs (``model(ids, cache=cache)``): each row at its own
+        positions, attending to its own tokens (``looplib.sampling.Decoding``). Through the blocks'
+        ``__call__``, so hooks on them (FSDP's gathers) run as in training."""
+        t = input_ids.shape[1]
+        if cache.length + t > self.seq_len:
+            raise ValueError(f"decoding past the model's {self.seq_len} positions")
+        cache.step_mask = cache.mask(t)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(cache.positions(t)))
+        for block, layer in zip(self.blocks, cache.layers):
+            x = block(x, cache=layer)
+        cache.length += t
+        logits = self.head(self.ln_f(x[:, -1:]))  # the next token's alone (a prefill's others: never read)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
     def flops_per_sequence(self, seq_len: int | None = None) -> int:
@@ -130,6 +155,30 @@ class GPT(nn.Module):
             if stop is not None and bool(done.all()):  # a host sync per token: only when asked to stop
                 break
         return ids
+
+
+class KVCache(Decoding):
+    """The bundled GPT's decoding cache: each layer's keys and values, ``(rows, heads, total,
+    head_dim)``, allocated at the first write in the dtype of the keys (autocast's)."""
+
+    def __init__(self, valid: torch.Tensor, layers: int):
+        super().__init__(valid)
+        self.layers = [LayerCache(self) for _ in range(layers)]
+        self.step_mask = None
+
+
+class LayerCache:
+    def __init__(self, owner: KVCache):
+        self.owner, self.keys, self.values = owner, None, None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, end = self.owner.length, self.owner.length + k.shape[2]
+        if self.keys is None:
+            shape = (k.shape[0], k.shape[1], self.owner.valid.shape[1], k.shape[3])
+            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
+        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
+        return F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end],
+                                              attn_mask=self.owner.step_mask)
 
 
 def weights_loaded(model: nn.Module) -> None:
