@@ -33,6 +33,7 @@ from typing import Annotated, Callable
 import torch
 import torch.nn.functional as F
 
+from .accumulation import Accumulation, Window
 from .errors import ConfigError
 from .loss import TokenCrossEntropy
 from .preference import Reference
@@ -56,8 +57,13 @@ class GRPO(Reference, TokenCrossEntropy):
     def __init__(self, group_size: Annotated[int, Range(ge=2)] = 4, max_new_tokens: Positive[int] = 64,
                  temperature: Positive[float] = 1.0, top_p: Annotated[float, Range(gt=0, le=1)] = 1.0,
                  epsilon: Positive[float] = 0.2, epsilon_high: Positive[float] | None = None,
-                 beta: NonNegative[float] = 0.0, scale_rewards: bool = True, ignore_index: int = -100):
+                 beta: NonNegative[float] = 0.0, scale_rewards: bool = True, ignore_index: int = -100,
+                 updates_per_rollout: Positive[int] = 1):
         super().__init__(ignore_index)
+        if updates_per_rollout < 1:
+            raise ConfigError("loss.updates_per_rollout", f"updates_per_rollout={updates_per_rollout}: a rollout "
+                              "trains at least one step", "use loss.updates_per_rollout=1 or more")
+        self.updates_per_rollout = updates_per_rollout
         if group_size < 2:
             raise ConfigError("loss.group_size", f"group_size={group_size}: a group of one has no advantage",
                               "use loss.group_size=2 or more (e.g. 8)")
@@ -137,6 +143,13 @@ class GRPO(Reference, TokenCrossEntropy):
         for i, name in enumerate(names):  # each part of a Weighted reward, unweighted
             out[f"reward_{name}"], out[f"reward_{name}_std"] = mean_std(*parts[3 * i:3 * i + 3])
         return out
+
+    def accumulation(self, steps: int, state, engine=None) -> Accumulation:
+        """The loop's windows: ``updates_per_rollout`` > 1 trains each window of rollouts that many
+        times (``Replayed``); 1: ``Accumulation(steps)``."""
+        if self.updates_per_rollout == 1:
+            return Accumulation(steps)
+        return Replayed(steps, self.updates_per_rollout, state, engine)
 
     def rollouts(self, loader, model: Callable[[], torch.nn.Module], reward, data, engine, precision, seed: int):
         """The run's training data: ``loader``'s prompts, sampled and scored (``Rollouts``)."""
@@ -247,4 +260,67 @@ class Rollouts:
             batch["labels"][i, len(p) - 1:len(seq) - 1] = c
         batch["rewards"] = rewards.float()
         batch["advantages"] = group_advantages(rewards, g, o.scale_rewards).float()
+        if o.updates_per_rollout > 1:
+            batch["old_logps"] = self.old_logps(batch)
         return batch
+
+    def old_logps(self, batch: dict) -> torch.Tensor:
+        """The completion tokens' log-probabilities under the policy that sampled them (eval mode, no
+        gradients), on the host: the ratio's denominator for every update on this rollout (the first's
+        ratio is then 1 where the training forward computes what this one does: no dropout)."""
+        model = self.engine.unwrap(self.model())
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                return self.objective.logps(model, self.engine.to_device(dict(batch))).float().cpu()
+        finally:
+            model.train(was)
+
+
+class Replayed(Accumulation):
+    """``loss.updates_per_rollout`` = ``updates`` > 1: each window (a rollout batch: ``steps``
+    micro-batches of sampled completions, with the log-probabilities they were sampled with) is
+    trained ``updates`` times in a row, one optimizer step each; the data stream moves on once.
+
+    Resume mid-rollout: the completions were sampled by weights that the first updates have since
+    changed, so they cannot be sampled again; the rollout is kept in the run's state instead
+    (``state.extra["rollout"]``: every process's micro-batches, on the host, and the updates done),
+    which every checkpoint holds, and a resumed run trains the same batches its remaining times.
+    It resumes only on the processes it was saved on (each holds its own prompts' rollouts)."""
+
+    def __init__(self, steps: int, updates: int, state, engine=None):
+        super().__init__(steps)
+        self.updates, self.state, self.engine = updates, state, engine
+        self.rank = getattr(engine, "rank", 0)
+        self.world = getattr(engine, "world_size", 1)
+
+    def windows(self, epochs, count):
+        pending = self.state.extra.pop("rollout", None)
+        if pending is not None:  # a checkpoint saved between the updates of one rollout
+            if len(pending["batches"]) != self.world:
+                raise ConfigError("resume", f"the checkpoint was saved between the updates of a rollout on "
+                                  f"{len(pending['batches'])} process(es), and this run has {self.world}; its "
+                                  "rollouts are each process's own", "resume on the same number of processes")
+            batches = pending["batches"]
+            yield from self.replay(self.close(batches[self.rank], count), pending["done"], batches)
+        for window in super().windows(epochs, count):
+            yield from self.replay(window, 0, None)
+
+    def replay(self, window: Window, done: int, every: list | None):
+        every = every if every is not None else self.gather(window.batches)
+        for n in range(done, self.updates):
+            if n + 1 < self.updates:  # what a checkpoint after this step holds
+                self.state.extra["rollout"] = {"batches": every, "done": n + 1}
+            else:
+                self.state.extra.pop("rollout", None)
+            yield window
+
+    def gather(self, batches: list[dict]) -> list[list[dict]]:
+        """Every process's micro-batches of this rollout (rank 0 writes the checkpoint)."""
+        if self.world == 1:
+            return [batches]
+        import torch.distributed as dist
+        out = [None] * self.world
+        dist.all_gather_object(out, batches)
+        return out

@@ -119,12 +119,14 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                  "pairs" if getattr(job.objective, "pairs", False) else
                  "prompts" if hasattr(job.objective, "rollouts") else "sequences", ranks, job.precision.name,
                  optimizer_name)
+    windows = getattr(job.objective, "accumulation", None)  # loss.updates_per_rollout: each window trained that often
+    accumulation = windows(s.accum_steps, state, engine) if windows else Accumulation(s.accum_steps)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.run.signals)
         try:
             fit(job.model, epochs, objective=job.objective, optimizer=optimizer, scheduler=scheduler,
-                precision=job.precision, accumulation=Accumulation(s.accum_steps), engine=engine,
+                precision=job.precision, accumulation=accumulation, engine=engine,
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
                 eval_data=eval_set or None, eval_every=s.eval_every, evaluator=job.evaluation,
                 checkpoints=checkpoints, state=state)

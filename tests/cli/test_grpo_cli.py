@@ -54,6 +54,23 @@ def test_grpo_runs_end_to_end_logs_rewards_and_resumes_bit_for_bit(tmp_path):
             (x["reward"], x["completion_tokens"])
 
 
+def test_two_updates_per_rollout_resume_bit_for_bit_from_between_a_rollouts_updates(tmp_path):
+    """loss.updates_per_rollout=2: a run stopped after step 3 (the first update of the second rollout)
+    holds that rollout in its checkpoint, and resumes to the uninterrupted run's weights bit for bit."""
+    job = ["data=prompts", f"data.path={write_sums(tmp_path)}", "loss=grpo", "+reward=format",
+           "reward.pattern='[a-z]'", *SMALL, "loss.updates_per_rollout=2", "checkpoint.every_steps=1"]
+    r = run_cli(*job, "max_steps=5", f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    part = tmp_path / "part"
+    assert run_cli(*job, "max_steps=3", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD).returncode == 0
+    r = run_cli(*job, "max_steps=5", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert (part / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+    full = [x for x in rows(tmp_path / "full") if "loss" in x]
+    assert sum(x["grad_norm"] > 0 for x in full) >= 2
+    assert full[0]["reward"] == full[1]["reward"]  # both updates of one rollout: its rewards
+
+
 REWARDS = '''
 calls = 0
 

@@ -11,7 +11,7 @@ import torch
 
 from looplib import optim as lo
 from looplib.accumulation import Accumulation
-from looplib.data.loading import build_loader
+from looplib.data.loading import Epochs, build_loader
 from looplib.data.prompts import PromptCorpus
 from looplib.engines import Engine
 from looplib.errors import ConfigError
@@ -19,6 +19,7 @@ from looplib.grpo import GRPO, Rollouts, group_advantages, nucleus
 from looplib.loop import fit
 from looplib.models import GPT
 from looplib.precision import Precision
+from looplib.train_state import TrainState
 from looplib.reward import ExactAnswer, Format, Weighted, final_answer, score
 
 from test_data_files import cache_dir, sentence, tok, tok_file, write_jsonl  # noqa: F401 (fixtures)
@@ -220,9 +221,9 @@ def test_group_advantages_are_centred_and_scaled_per_group():
 
 # --- rollouts as the window's data -------------------------------------------------------------------
 
-def rollouts(corpus, model, micro, reward=None, group_size=4):
+def rollouts(corpus, model, micro, reward=None, group_size=4, **loss):
     loader = build_loader(corpus.train, batch_size=micro, seed=0, collate_fn=corpus.collate, device="cpu")
-    objective = GRPO(group_size=group_size, max_new_tokens=6, temperature=1.0)
+    objective = GRPO(group_size=group_size, max_new_tokens=6, **{"temperature": 1.0, **loss})
     return objective, Rollouts(loader, objective, lambda: model, reward or ExactAnswer(), corpus, Engine("cpu"),
                                Precision(), seed=3)
 
@@ -272,6 +273,80 @@ def test_grpo_8_prompts_equals_accumulation_2_x_4(tmp_path, tok_file, tok):  # n
     grads = torch.autograd.grad(objective(start, batch) / tokens, list(start.parameters()))
     for p, g, q in zip(start.parameters(), grads, full.parameters()):
         torch.testing.assert_close(p.detach() - 0.5 * g, q.detach(), rtol=1e-5, atol=1e-6)
+
+
+# --- several updates per rollout (loss.updates_per_rollout) ----------------------------------------
+
+def varied(prompts, completions, records):  # a reward that varies within groups: every advantage non-zero
+    return [len(c) % 3 for c in completions]
+
+
+def test_two_updates_per_rollout_equal_two_hand_written_steps_on_the_same_completions(tmp_path, tok_file, tok):  # noqa: F811
+    """updates_per_rollout=2: two SGD steps on one rollout batch, the second's ratio against the
+    log-probabilities the completions were sampled with (clipped where it moved past epsilon); the
+    prompts are read once."""
+    corpus, vocab, lr, eps = prompts(tmp_path, tok_file, tok), tok.get_vocab_size(), 2.0, 0.02
+    model = gpt(vocab)
+    objective, source = rollouts(corpus, model, 8, varied, updates_per_rollout=2, epsilon=eps)
+    state, epochs = TrainState(), Epochs(source)
+    fit(model, epochs, objective=objective, max_steps=2, accumulation=objective.accumulation(1, state), state=state,
+        optimizer=lo.SGD(lr=lr, momentum=0.0, weight_decay=0.0).build(model))
+    assert epochs.batches_seen == 1 and state.step == 2 and "rollout" not in state.extra  # one rollout, trained twice
+    assert objective.train_metrics()["clipped"] > 0  # the second update's ratios moved past the clip range
+
+    start = gpt(vocab)
+    _, again = rollouts(corpus, start, 8, varied, updates_per_rollout=2, epsilon=eps)
+    batch = next(iter(again))  # the same completions (the same seeds, the same weights)
+    counted = batch["labels"] != -100
+    with torch.no_grad():  # sampled by the starting policy: the first update's ratio is exactly 1
+        assert torch.equal(batch["old_logps"][counted], GRPO().logps(start, batch)[counted])
+    tokens = int(counted.sum())
+    for _ in range(2):
+        params = list(start.parameters())
+        grads = torch.autograd.grad(by_hand(start, start, batch, eps, eps, 0.0, 1.0) / tokens, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(lr * g)
+    for p, q in zip(start.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_stopped_between_the_updates_of_a_rollout_resumes_with_the_same_rollout(tmp_path, tok_file, tok):  # noqa: F811
+    """The state after the first of two updates holds the rollout; a fresh model, optimizer and data
+    stream restored from it (as a checkpoint restores them) finish bit for bit as the run that went on."""
+    corpus, vocab = prompts(tmp_path, tok_file, tok), tok.get_vocab_size()
+
+    def start(model_state=None, optim_state=None, position=None, extra=None, step=0):
+        model = gpt(vocab)
+        if model_state:
+            model.load_state_dict(model_state)
+        objective, source = rollouts(corpus, model, 4, varied, updates_per_rollout=2)
+        optimizer = lo.AdamW(lr=1e-2).build(model)
+        if optim_state:
+            optimizer.load_state_dict(optim_state)
+        epochs = Epochs(source)
+        if position:
+            epochs.restore(position)
+        state = TrainState(step=step, extra=copy.deepcopy(extra) if extra else {})
+        return model, objective, optimizer, epochs, state
+
+    def run(parts, max_steps):
+        model, objective, optimizer, epochs, state = parts
+        fit(model, epochs, objective=objective, max_steps=max_steps, optimizer=optimizer, state=state,
+            accumulation=objective.accumulation(2, state))
+        return parts
+    whole = run(start(), 5)
+    cut = run(start(), 3)
+    model, _, optimizer, epochs, state = cut
+    assert state.extra["rollout"]["done"] == 1 and len(state.extra["rollout"]["batches"][0]) == 2
+    resumed = run(start(copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), epochs.position(),
+                        state.extra, state.step), 5)
+    assert resumed[3].batches_seen == whole[3].batches_seen == 6  # three rollouts of 2 micro-batches
+    for p, q in zip(whole[0].parameters(), resumed[0].parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ConfigError) as err:  # a rollout saved on 2 processes, resumed on 1
+        run(start(extra={"rollout": {"batches": [[], []], "done": 1}}), 1)
+    assert err.value.key == "resume"
 
 
 # --- parity with TRL's GRPOTrainer (pip install 'looplib[test]' brings trl) ------------------------
