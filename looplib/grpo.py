@@ -16,12 +16,15 @@ takes it: ``looplib.preference.Reference``), and ``count(batch)`` the completion
 loop divides by the window's completion tokens over every micro-batch and rank: (8 prompts) and
 (4 prompts, accumulation 2) give the same update. The log-probabilities are those of the
 sampling distribution (logits / ``temperature``); with one update per rollout the old policy is
-the current one (ratio 1, its gradient the policy gradient).
+the current one (ratio 1, its gradient the policy gradient). ``updates_per_rollout`` > 1 trains
+each window that many times (``Replayed``), the ratio against the log-probabilities the batch
+was sampled with (``old_logps``, taken once after sampling).
 
-Sampling is seeded per prompt: a ``torch.Generator`` seeded by (run seed, epoch, the prompt's
-record), so the completions of a prompt do not depend on the batch size, the accumulation or the
-process count, and a resumed run samples what the uninterrupted one sampled: the generator's
-whole state is a function of the data position, which every checkpoint holds.
+Sampling is batched and cached (``looplib.sampling.sample_groups``: every prompt's group at once)
+and seeded per prompt: a ``torch.Generator`` seeded by (run seed, epoch, the prompt's record)
+draws that prompt's rows, so the draws of a prompt do not depend on the batch size, the
+accumulation or the process count, and a resumed run samples what the uninterrupted one sampled:
+the generator's whole state is a function of the data position, which every checkpoint holds.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ are read once more when the corpus is built (their fields are not in the token c
 
 A sample is one prompt: ``{"prompt_ids", "index"}`` (``index``: the record's place in its
 files, which seeds its completions: ``looplib.grpo``); a batch keeps the prompts as a list (they
-differ in length: each is sampled as its own group, unpadded).
+differ in length: the sampler left-pads them, ``looplib.sampling``).
 """
 from __future__ import annotations
 
