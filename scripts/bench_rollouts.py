@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     if args.tiny:
-        args.hidden, args.layers, args.vocab, args.prompts, args.group, args.new, args.prompt_len = 64, 2, 512, 4, 2, 8, 12
-        args.repeats = 1
+        args.hidden, args.layers, args.vocab, args.prompts = 64, 2, 512, 4
+        args.group, args.new, args.prompt_len, args.repeats = 2, 8, 12, 1
 
     from looplib.hf import CausalLM
     from looplib.models import GPT

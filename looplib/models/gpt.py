@@ -112,10 +112,11 @@ class GPT(nn.Module):
         return KVCache(valid, len(self.blocks))
 
     def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The next token's logits ``(rows, 1, vocab)`` after ``t`` more positions of every row, reading the cached keys and values
-        of the earlier ones and adding theirs (``model(ids, cache=cache)``): each row at its own
-        positions, attending to its own tokens (``looplib.sampling.Decoding``). Through the blocks'
-        ``__call__``, so hooks on them (FSDP's gathers) run as in training."""
+        """The next token's logits ``(rows, 1, vocab)`` after ``t`` more positions of every row
+        (``model(ids, cache=cache)``), reading the cached keys and values of the earlier ones and
+        adding theirs: each row at its own positions, attending to its own tokens
+        (``looplib.sampling.Decoding``). Through the blocks' ``__call__``, so hooks on them (FSDP's
+        gathers) run as in training."""
         t = input_ids.shape[1]
         if cache.length + t > self.seq_len:
             raise ValueError(f"decoding past the model's {self.seq_len} positions")

@@ -281,7 +281,7 @@ def varied(prompts, completions, records):  # a reward that varies within groups
     return [len(c) % 3 for c in completions]
 
 
-def test_two_updates_per_rollout_equal_two_hand_written_steps_on_the_same_completions(tmp_path, tok_file, tok):  # noqa: F811
+def test_two_updates_per_rollout_equal_two_hand_written_steps(tmp_path, tok_file, tok):  # noqa: F811
     """updates_per_rollout=2: two SGD steps on one rollout batch, the second's ratio against the
     log-probabilities the completions were sampled with (clipped where it moved past epsilon); the
     prompts are read once."""
@@ -311,7 +311,7 @@ def test_two_updates_per_rollout_equal_two_hand_written_steps_on_the_same_comple
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_run_stopped_between_the_updates_of_a_rollout_resumes_with_the_same_rollout(tmp_path, tok_file, tok):  # noqa: F811
+def test_a_run_stopped_between_a_rollouts_updates_resumes_it(tmp_path, tok_file, tok):  # noqa: F811
     """The state after the first of two updates holds the rollout; a fresh model, optimizer and data
     stream restored from it (as a checkpoint restores them) finish bit for bit as the run that went on."""
     corpus, vocab = prompts(tmp_path, tok_file, tok), tok.get_vocab_size()
