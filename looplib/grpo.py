@@ -297,14 +297,18 @@ class Replayed(Accumulation):
         self.updates, self.state, self.engine = updates, state, engine
         self.rank = getattr(engine, "rank", 0)
         self.world = getattr(engine, "world_size", 1)
+        self.check(state.extra.get("rollout"))  # (made after the resume: refused before anything is written)
+
+    def check(self, pending: dict | None) -> None:
+        if pending is not None and len(pending["batches"]) != self.world:
+            raise ConfigError("resume", f"the checkpoint was saved between the updates of a rollout on "
+                              f"{len(pending['batches'])} process(es), and this run has {self.world}; its "
+                              "rollouts are each process's own", "resume on the same number of processes")
 
     def windows(self, epochs, count):
         pending = self.state.extra.pop("rollout", None)
         if pending is not None:  # a checkpoint saved between the updates of one rollout
-            if len(pending["batches"]) != self.world:
-                raise ConfigError("resume", f"the checkpoint was saved between the updates of a rollout on "
-                                  f"{len(pending['batches'])} process(es), and this run has {self.world}; its "
-                                  "rollouts are each process's own", "resume on the same number of processes")
+            self.check(pending)
             batches = pending["batches"]
             yield from self.replay(self.close(batches[self.rank], count), pending["done"], batches)
         for window in super().windows(epochs, count):

@@ -86,6 +86,8 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
         moved = said(state.step, saved_max, s.max_steps) if said and saved_max and state.step else None
         if moved and engine.is_main:  # the schedule's own curve (one voice), said rather than left to a changed key
             log.warning("resume: %s", moved)
+    windows = getattr(job.objective, "accumulation", None)  # loss.updates_per_rollout: each window trained that often
+    accumulation = windows(s.accum_steps, state, engine) if windows else Accumulation(s.accum_steps)  # (after resume)
     if engine.is_main and run_dir is not None:
         # what ran, and on how many processes by which launcher: a sweep's trials, a report, a study compare it
         write_atomic(run_dir / "config.yaml", config_text({**job.record.config, "launch": launched(geometry)}))
@@ -119,8 +121,6 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                  "pairs" if getattr(job.objective, "pairs", False) else
                  "prompts" if hasattr(job.objective, "rollouts") else "sequences", ranks, job.precision.name,
                  optimizer_name)
-    windows = getattr(job.objective, "accumulation", None)  # loss.updates_per_rollout: each window trained that often
-    accumulation = windows(s.accum_steps, state, engine) if windows else Accumulation(s.accum_steps)
     first_step = state.step  # a resumed run that had already finished evaluates nothing again
     trained = Trained(job.model, optimizer, scheduler, state, None, run_dir, telemetry.last_row)
     with signals.deferred():  # from here a signal saves at the next step boundary (see looplib.run.signals)

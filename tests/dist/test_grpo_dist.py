@@ -31,3 +31,24 @@ def test_grpo_on_two_processes_equals_one_process_of_twice_the_batch(tmp_path):
     weights = load_file(tmp_path / "two" / "model.safetensors")
     expected = load_file(tmp_path / "one" / "model.safetensors")
     assert max((weights[k] - expected[k]).abs().max().item() for k in expected) < WEIGHT_ATOL
+
+
+def test_two_updates_per_rollout_on_two_processes_resume_between_a_rollouts_updates(tmp_path):
+    """loss.updates_per_rollout=2 under DDP: the checkpoint after step 3 (between the second rollout's
+    updates) holds both ranks' micro-batches; the run resumed from it on two processes ends with the
+    uninterrupted run's weights, and on one process it is refused in one line."""
+    small = [s for s in SMALL if not s.startswith("batch_size=")]
+    job = ["data=prompts", f"data.path={write_sums(tmp_path)}", "loss=grpo", "+reward=format", *small,
+           "reward.pattern='[a-z]'", "batch_size=2", "loss.updates_per_rollout=2", "checkpoint.every_steps=1",
+           "+engine=ddp"]
+    full = torchrun(*job, "max_steps=5", f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    part = tmp_path / "part"
+    assert torchrun(*job, "max_steps=3", f"hydra.run.dir={part}", cwd=tmp_path).returncode == 0
+    config = (part / "config.yaml").read_bytes()
+    alone = run_cli(*job[:-1], "max_steps=5", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path)
+    assert alone.returncode == 2 and "same number of processes" in alone.stderr.strip().splitlines()[-1], alone.stderr
+    assert "Traceback" not in alone.stderr and (part / "config.yaml").read_bytes() == config  # refused before writing
+    r = torchrun(*job, "max_steps=5", "resume=auto", f"hydra.run.dir={part}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (part / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
