@@ -61,7 +61,7 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog=COMMAND, description=__doc__.split("\n\n")[0],
                       epilog="Other arguments: data.*/reward.* overrides and n=, k=, max_new_tokens=, temperature=, "
                              "top_p=, seed=, threshold= (docs/post-training.md#evaluate).")
-    p.add_argument("run_dir", metavar="RUN", help="a run directory (or one of its checkpoints, or a transformers "
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or one of its checkpoints, or a transformers "
                                                   "model directory)")
     p.add_argument("--out", default=None, help="the JSON record's path (default RUN/eval/rewards-<data>.json, "
                                                "RUN/eval/lm-eval-<tasks>.json)")
@@ -188,7 +188,7 @@ def run_tokenizer(done: Finished, stack: ExitStack) -> str:
     corpus = done.corpus()
     tokenizer = getattr(corpus, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "to_str"):
-        raise ConfigError("RUN", f"{done.run_dir}'s data had no tokenizer (e.g. data=random): its model reads no text",
+        raise ConfigError("RUN_DIR", f"{done.run_dir}'s data had no tokenizer (e.g. data=random): its model reads no text",
                           "evaluate a run trained on text")
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="looplib-evaluate-")))
     (folder / TOKENIZER_FILE).write_text(tokenizer.to_str())
@@ -219,7 +219,7 @@ class Logits(torch.nn.Module):
 def language_model(done: Finished):
     """The run's model as the sampler calls it; a classifier is refused."""
     if done.classifier or (done.tokenizer is None and not hasattr(done.model, "generate")):
-        raise ConfigError("RUN", f"{done.run_dir} holds a classifier ({type(done.model).__name__}): it samples no "
+        raise ConfigError("RUN_DIR", f"{done.run_dir} holds a classifier ({type(done.model).__name__}): it samples no "
                           "text to score", "evaluate a language model's run (its held-out accuracy is in metrics.jsonl)")
     return Logits(done.model) if done.tokenizer is not None else done.model
 
@@ -285,7 +285,7 @@ def rewards_main(args, rest: list[str], device: torch.device) -> int:
     with ExitStack() as stack:
         with open_dict(cfg):
             cfg.data.tokenizer = run_tokenizer(done, stack)
-            cfg.data.vocab_size = load_tokenizer(cfg.data.tokenizer, "RUN").vocab_size
+            cfg.data.vocab_size = load_tokenizer(cfg.data.tokenizer, "RUN_DIR").vocab_size
             cfg.data.seq_len = positions(done) or 1 << 20
             if not held_out:
                 cfg.data.eval_fraction = 0
@@ -312,8 +312,12 @@ def rewards_main(args, rest: list[str], device: torch.device) -> int:
     check_free(out, evaluation)
     start = time.perf_counter()
     name = name_of(reward)
-    found = evaluate(model, examples, reward, s, corpus.decode, corpus.eos_id, device,
-                     getattr(corpus, "prompt_field", "prompt"))
+    try:
+        found = evaluate(model, examples, reward, s, corpus.decode, corpus.eos_id, device,
+                         getattr(corpus, "prompt_field", "prompt"))
+    except ConfigError as err:  # a reward that broke its contract: said as training says it, for an evaluation
+        raise ConfigError(err.key, err.problem.replace("nothing was trained on this batch", "nothing was written"),
+                          err.fix) from None
     numbers = summary(found, s, ks, threshold, name)
     field = getattr(corpus, "prompt_field", "prompt")
     record = {"kind": KIND, **numbers, "seconds": round(time.perf_counter() - start, 3),
@@ -347,7 +351,7 @@ def harness_main(args, rest: list[str], device: torch.device) -> int:
     out = output_path(Path(done.run_dir), args.out, f"lm-eval-{'-'.join(names) or tasks_path.stem}").resolve()
     start = time.perf_counter()
     with ExitStack() as stack:
-        info = load_tokenizer(run_tokenizer(done, stack), "RUN")
+        info = load_tokenizer(run_tokenizer(done, stack), "RUN_DIR")
     lm = harness_lm(model, info, positions(done) or 2048, device)
     results = evaluate_tasks(lm, tasks_path, names, args.limit, before=lambda: check_free(out, evaluation))
     record = {"kind": evaluation["kind"], **results, "seconds": round(time.perf_counter() - start, 3),
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..engines.local import resolve_device
         device = resolve_device(args.device)
         if not Path(args.run_dir).is_dir():
-            raise ConfigError("RUN", f"{args.run_dir} is not a directory", "give a run directory (outputs/DATE/TIME)")
+            raise ConfigError("RUN_DIR", f"{args.run_dir} is not a directory", "give a run directory (outputs/DATE/TIME)")
         if args.lm_eval is None and (args.tasks or args.limit is not None):
             raise ConfigError("--tasks", "--tasks and --limit choose the harness's tasks", "add --lm-eval TASKS")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
