@@ -202,3 +202,32 @@ def test_lm_eval_on_a_local_task_equals_a_hand_count_of_the_choices_loglikelihoo
         right += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
     assert got == pytest.approx(right / len(docs))
     assert "tiny_choice" in r.stdout and "acc" in r.stdout
+
+
+def test_a_transformers_model_is_evaluated_with_its_own_tokenizer(tiny_pretrained, finished, token_cache, tmp_path):
+    from looplib import load_finished
+    from looplib.data.tokenizer import load_tokenizer
+    from looplib.grpo import prompt_seed, sample
+    root = finished
+    out = tmp_path / "hf.json"
+    r = evaluate(root, str(tiny_pretrained), "data=prompts", "data.path=held_out.jsonl",
+                 "+reward._target_=my_rewards.letters", "n=2", "max_new_tokens=4", f"--out={out}", cache=token_cache)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    done = load_finished(tiny_pretrained, "cpu")
+    info = load_tokenizer(str(tiny_pretrained))  # [BOS] + the prompt's ids, as data=prompts assembles a text prompt
+    logits = lambda ids: done.model(input_ids=ids).logits  # noqa: E731
+    rewards = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for index, record in enumerate(json.loads(x) for x in (root / "held_out.jsonl").read_text().splitlines()):
+            gen = torch.Generator().manual_seed(prompt_seed(0, 0, index))
+            with torch.no_grad():
+                group = sample(logits, torch.tensor(info.encode(record["prompt"])), 2, 4, 1.0, 1.0, info.eos_id, gen)
+            rewards += letters([info.tokenizer.decode(row[:row.index(info.eos_id)] if info.eos_id in row else row)
+                                for row in group.tolist()])
+    finally:
+        torch.set_num_threads(threads)
+    assert got["rewards"]["my_rewards.letters"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert got["evaluation"]["run"]["loaded"] == str(tiny_pretrained.resolve())
