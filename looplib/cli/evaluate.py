@@ -96,7 +96,8 @@ def settings(args: list[str]) -> tuple[Sampling, list[int] | None, float, list[s
             try:
                 values[bare] = {"int": int, "float": float}[types[bare]](value)
             except ValueError:
-                raise ConfigError(bare, f"{bare}={value} is not a number", f"write e.g. {bare}={Sampling().__dict__[bare]}") from None
+                raise ConfigError(bare, f"{bare}={value} is not a number",
+                                  f"write e.g. {bare}={getattr(Sampling(), bare)}") from None
         elif eq and bare == "k":
             ks = number_list("k", value)
         elif eq and bare == "threshold":
@@ -275,8 +276,9 @@ def rewards_main(args, rest: list[str], device: torch.device) -> int:
     cfg = compose(overrides)
     reward, reward_config = chosen_reward(cfg)
     prompts_class(cfg)
-    asked = {o.lstrip("+~").split("=")[0] for o in overrides}
-    held_out = bool({"data.eval_path", "data.eval_fraction"} & asked)
+    asked = {o.lstrip("+~").split("=")[0] for o in overrides}  # a held-out split asked for: it alone
+    held_out = bool(resolved(cfg, "data").get("eval_path")) or (
+        "data.eval_fraction" in asked and float(resolved(cfg, "data").get("eval_fraction") or 0) > 0)
     done = load_finished(Path(args.run_dir), device)
     model = language_model(done)
     if done.checkpoint is not None and done.checkpoint != Path(args.run_dir):
@@ -304,9 +306,10 @@ def rewards_main(args, rest: list[str], device: torch.device) -> int:
     files = [str(Path(p).resolve()) for p in corpus.files]
     identity = {part: value.get("digest") if isinstance(value, dict) else value  # (not where the files lie)
                 for part, value in (corpus.fingerprint() or {}).items()}
+    settings_of_data = {k: v for k, v in data_config.items() if k not in ("tokenizer", "path", "eval_path")}
     evaluation = {"kind": KIND, "run": run_identity(done),
                   "data": {"files": files, "split": "held-out" if held_out else "all", "identity": identity,
-                           "config": {k: v for k, v in data_config.items() if k not in ("tokenizer", "path", "eval_path")}},
+                           "config": settings_of_data},
                   "reward": reward_config, "sampling": vars(s), "k": ks, "threshold": threshold}
     out = output_path(Path(done.run_dir), args.out, f"rewards-{Path(files[0]).stem}")
     check_free(out, evaluation)
@@ -323,8 +326,10 @@ def rewards_main(args, rest: list[str], device: torch.device) -> int:
     record = {"kind": KIND, **numbers, "seconds": round(time.perf_counter() - start, 3),
               "command": " ".join([COMMAND, *sys.argv[1:]]) if sys.argv[1:] else COMMAND,
               "evaluation": evaluation}
-    extra = (out.with_name(out.stem + ".samples.jsonl"), samples(found, threshold,
-                                                                       lambda i: examples.record(i).get(field))) if args.samples else None
+    extra = None
+    if args.samples:
+        extra = (out.with_name(out.stem + ".samples.jsonl"),
+                 samples(found, threshold, lambda index: examples.record(index).get(field)))
     write(out, record, extra)
     print(table(numbers))
     print(f"written: {out}" + (f" and {extra[0]}" if extra else ""))

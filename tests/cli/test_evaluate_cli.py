@@ -129,6 +129,19 @@ def test_the_same_evaluation_is_rewritten_and_another_one_is_refused(finished, t
     assert record.read_bytes() == before
 
 
+def test_a_held_out_split_asked_for_is_evaluated_alone(finished, token_cache, tmp_path):
+    from looplib.data.files import split_documents
+    root = finished
+    out = tmp_path / "split.json"
+    r = evaluate(root, str(root / "run"), "data=prompts", "data.path=sums.jsonl", "data.eval_fraction=0.25",
+                 "+reward=exact_answer", "n=1", "max_new_tokens=2", f"--out={out}", "--samples", cache=token_cache)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    held = split_documents(16, 0.25, 0, "sums.jsonl")[1].tolist()  # the records training held out (data.seed 0)
+    assert got["prompts"] == 4 and got["evaluation"]["data"]["split"] == "held-out"
+    assert [json.loads(x)["index"] for x in (tmp_path / "split.samples.jsonl").read_text().splitlines()] == held
+
+
 @pytest.fixture(scope="module")
 def classifier_run(tmp_path_factory):
     """A bundled classifier's run directory (config.yaml + model.safetensors)."""
