@@ -244,3 +244,14 @@ def test_a_transformers_model_is_evaluated_with_its_own_tokenizer(tiny_pretraine
         torch.set_num_threads(threads)
     assert got["rewards"]["my_rewards.letters"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
     assert got["evaluation"]["run"]["loaded"] == str(tiny_pretrained.resolve())
+
+
+def test_lm_eval_without_the_extra_is_refused_naming_it(finished, monkeypatch, capsys):
+    import sys
+    from looplib.cli.evaluate import main
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    assert main([str(finished / "run"), "--lm-eval", str(TASKS)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "looplib: error: --lm-eval: python -m looplib.evaluate --lm-eval needs the lm_eval package, which does not "
+        "import (import of lm_eval halted; None in sys.modules); pip install 'looplib[eval]'")
+    assert not (finished / "run" / "eval" / "lm-eval-lm_eval.json").exists()
