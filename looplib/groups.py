@@ -28,7 +28,6 @@ Adding a group is one module, one ``conf/<group>/`` folder and one row here (doc
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Callable, Literal
@@ -47,6 +46,7 @@ from .peft import FullModel
 from .precision import Precision
 from .reward import NoReward
 from .schedule import Schedule
+from .schema import public_path
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,7 @@ def base_name(row: Group) -> str:
     """The shortest public path of the row's base class (``looplib.data.Corpus``, ``torch.nn.Module``)."""
     if row.base is object:
         return "any object"
-    module = row.base.__module__
-    while "." in module and getattr(importlib.import_module(module.rsplit(".", 1)[0]), row.base.__qualname__, None) \
-            is row.base:
-        module = module.rsplit(".", 1)[0]
-    return f"{module}.{row.base.__qualname__}"
+    return public_path(row.base, shortest=True)
 
 
 def options(name: str) -> list[str]:

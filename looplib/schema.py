@@ -276,6 +276,49 @@ def dotted(target: Any) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
 
 
+def public_path(target: Any, shortest: bool = False) -> str:
+    """The shortest dotted path that names ``target`` (a class or function): its defining module,
+    shortened while the package above exports the same object (``looplib.engines.ddp.DDP`` ->
+    ``looplib.engines.DDP``), down to a top-level package's own modules (``looplib.precision.BF16``). The command line's ``conf/`` files and ``train_model``'s saved
+    config both write it, so one class has one name in a run's config.yaml. ``shortest``: up to the
+    top-level package where it exports the object too (``looplib.Precision``: for the docs)."""
+    import importlib
+
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if not module or not name:
+        return dotted(target)
+    while module.count(".") > (0 if shortest else 1):  # (never above a top-level package's own modules: ``looplib.precision.BF16``)
+        try:
+            parent = importlib.import_module(module.rsplit(".", 1)[0])
+        except Exception:  # noqa: BLE001 - a package that does not import here: keep the longer path
+            break
+        if getattr(parent, name, None) is not target:
+            break
+        module = parent.__name__
+    return f"{module}.{name}"
+
+
+def same_target(a: Any, b: Any) -> bool:
+    """Whether two ``_target_`` values name the same object (``looplib.engines.DDP`` and
+    ``looplib.engines.ddp.DDP`` do): equal strings, or both import to one object."""
+    if a == b:
+        return True
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    import importlib
+
+    def resolve(path: str):
+        module, _, name = path.rpartition(".")
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+    try:
+        return resolve(a) is resolve(b)
+    except Exception:  # noqa: BLE001 - one of them does not import: they differ as written
+        return False
+
+
 def check_options(prefix: str, target: Any, options: dict, said: str = "") -> None:
     """Hold ``options`` (plain values, interpolations resolved) against ``target``'s signature.
 

@@ -117,6 +117,9 @@ def peak_flops(device: torch.device, precision: str, given_tflops: float | None 
     return None
 
 
+UNITS = {"tokens": "tok", "sequences": "seq"}   # the progress line's short names (others as counted: pairs/s)
+
+
 class Telemetry:
     # Multi-process engines set this to their mean over ranks. A collective: every rank's
     # Telemetry (writing or not) reaches _log at the same steps.
@@ -226,7 +229,7 @@ class Telemetry:
         self.write(row)
         self._loss, self._t0 = None, time.perf_counter()
         self._interval = {"steps": 0, "samples": 0, "items": 0}
-        text = f"loss {loss:.4f}  {row[self.items + '_per_s']:,.0f} {self.items[:3]}/s  mem {row['peak_mem_mb']:,.0f} MB"
+        text = f"loss {loss:.4f}  {row[self.items + '_per_s']:,.0f} {UNITS.get(self.items, self.items)}/s  mem {row['peak_mem_mb']:,.0f} MB"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
         elif self.enabled:

@@ -46,6 +46,7 @@ from ..optim import OptimizerFactory
 from ..peft import FullModel
 from ..precision import Precision
 from ..schedule import Schedule
+from ..schema import public_path
 from .assembly import JobSpec, Parts, Record, Trained
 from .launcher import engine_for
 from .session import Session
@@ -213,7 +214,7 @@ def config_of(obj: Any, plain: bool = True) -> dict:
     Nothing that differs per rank (an engine's rank, its device) is part of it."""
     if obj is None:
         return {"_target_": None}
-    out: dict[str, Any] = {"_target_": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+    out: dict[str, Any] = {"_target_": public_path(type(obj))}
     for key, value in (vars(obj).items() if plain and hasattr(obj, "__dict__") else ()):
         if key.startswith("_") or key in getattr(obj, "per_process", ()):
             continue

@@ -23,6 +23,7 @@ from typing import Any
 from ..atomic import write_atomic
 from ..data import identity
 from ..errors import ConfigError, NothingToDo
+from ..schema import same_target
 from ..train_state import TrainState
 from ..engines.state_dicts import load_sharded
 from . import elastic
@@ -47,6 +48,8 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, 
         a, b, name = saved.get(key), now.get(key), f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_changes(a, b, name + ".")
+        elif key == "_target_" and same_target(a, b):  # one class, two spellings (a package's export)
+            continue
         elif a != b:
             out.append((name, a, b))
     return out

@@ -4,6 +4,7 @@ first step, equal to a hand-written loss and its gradients, accumulation-exact, 
 bit) and their refusals."""
 import copy
 import json
+import re
 import logging
 import math
 import random
@@ -367,6 +368,7 @@ def test_dpo_under_lora_from_the_command_line_starts_at_ln2(tmp_path):
                 "max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "adapters switched off" in r.stdout + r.stderr
+    assert re.search(r"step 1/2  loss 0\.6931  [\d,]+ pairs/s", r.stdout + r.stderr)  # (was "pai/s")
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == LN2 and rows[1]["loss"] != LN2 and (tmp_path / "run" / "adapter").is_dir()
 
