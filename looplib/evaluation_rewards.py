@@ -5,7 +5,7 @@ by a reward (the ``reward`` group), summed up as the mean reward and pass@k.
 (``looplib.cli.evaluate``) loads the run, the prompts and the reward, then calls ``evaluate``:
 
 - each prompt's ``n`` completions are sampled as ``loss=grpo`` samples them in training
-  (``looplib.grpo.sample``, the model in eval mode without gradients), with the prompt's own
+  (``looplib.sampling.sample_groups``, the model in eval mode without gradients), with the prompt's own
   ``torch.Generator`` seeded by (``seed``, the prompt's record: ``looplib.grpo.prompt_seed``,
   epoch 0), so an evaluation is reproducible and a prompt's completions do not depend on the
   others; ``completions`` is the one call of the sampler;
@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from .grpo import mean_std, prompt_seed, sample
+from .grpo import mean_std, prompt_seed
+from .sampling import sample_groups
 from .reward import score
 
 
@@ -70,7 +71,8 @@ def completions(model, prompt_ids: torch.Tensor, index: int, s: Sampling, stop: 
     """The ``s.n`` completions of one prompt (``(n, new)`` ids; a row that sampled ``stop`` is
     padded with it), as ``loss=grpo`` samples them: its generator seeded by (seed, epoch 0, index)."""
     generator = torch.Generator(device).manual_seed(prompt_seed(s.seed, 0, index))
-    return sample(model, prompt_ids.to(device), s.n, s.max_new_tokens, s.temperature, s.top_p, stop, generator)
+    return sample_groups(model, [prompt_ids.to(device)], s.n, s.max_new_tokens, s.temperature, s.top_p, stop,
+                         [generator])[0]  # (the model's cache where it has one: token for token the uncached sampler)
 
 
 def decoded(group: torch.Tensor, stop: int | None, decode: Callable[[list[int]], str]) -> list[str]:
