@@ -21,7 +21,6 @@ import hashlib
 import inspect
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import make_dir_beside
@@ -55,16 +54,21 @@ def digest_of(value) -> str | None:
     return None if value is None else str(value)
 
 
-@dataclass
 class Expected:
     """The fingerprint of the checkpoint a run is about to resume (or that ``python -m
-    looplib.generate`` reads a run's data for: ``key``, ``consequence`` and ``fix`` word its refusal)."""
-    fingerprint: dict
-    checkpoint: Path
-    key: str = "resume"
-    consequence: str = "so its weights would continue on other data"
-    fix: str = ("put the files back as they were to continue this run, or start a new run in a new directory "
-                "(without resume)")
+    looplib.generate`` reads a run's data for: ``key``, ``consequence`` and ``fix`` word its refusal).
+    A plain class, not a dataclass: Hydra's ``instantiate`` would read a dataclass handed to a
+    corpus as config and convert it to a dict."""
+
+    def __init__(self, fingerprint: dict, checkpoint: Path, key: str = "resume",
+                 consequence: str = "so its weights would continue on other data",
+                 fix: str = ("put the files back as they were to continue this run, or start a new run in a new "
+                             "directory (without resume)")):
+        self.fingerprint, self.checkpoint, self.key = fingerprint, Path(checkpoint), key
+        self.consequence, self.fix = consequence, fix
+
+    def __repr__(self) -> str:
+        return f"Expected(checkpoint={str(self.checkpoint)!r}, key={self.key!r})"
 
     def get(self, key: str):
         return self.fingerprint.get(key)
