@@ -10,7 +10,8 @@ compiles each repeated block (the classes in ``compile.blocks``) once instead of
 the blocks share one compiled graph, so the cold start stops growing with depth; the rest runs
 eagerly. ``compile.optimizer=true`` compiles the end of the step too: the gradient norm, the
 clipping, the inf/NaN skip (on the device) and the optimizer's update in ONE compiled region
-(``CompiledStep.clip_and_step``, which ``looplib.loop.clip_and_step`` asks for; inductor fuses the
+(``TorchCompile.clip_and_step``: the verb the loop ends each window with, ``looplib.loop.EagerStep``'s
+in plain PyTorch; the optimizer itself is left as it is; inductor fuses the
 per-parameter foreach kernels; under ``mode=reduce-overhead`` the forward and backward replay as CUDA
 graphs and the region runs as inductor's kernels without one: ``step_options``). The seconds spent compiling (forward, backward where it is compiled
 lazily, the optimizer step) are written to metrics.jsonl as a ``compile_s`` row at the end of the run.
@@ -28,7 +29,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .errors import ConfigError
-from .loop import clip_grad_norm
+from .loop import EagerStep, clip_grad_norm
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MODES = get_args(Mode)
@@ -37,8 +38,9 @@ BLOCKS = ("Block", "GradientCheckpointingLayer", "GPT2Block", "BertLayer", "Llam
           "Qwen2DecoderLayer")
 
 
-class Compile:
-    """Eager PyTorch: the null object."""
+class Compile(EagerStep):
+    """Eager PyTorch: the null object. Its ``clip_and_step`` (``EagerStep``'s) ends each window
+    of the loop: unscale, clip, step."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -55,9 +57,9 @@ class Compile:
     def wrap_loss(self, objective):
         return objective
 
-    def wrap_optimizer(self, optimizer):
-        """The optimizer the loop steps (compile.optimizer=true: its step compiled); the same object."""
-        return optimizer
+    def compile_step(self, optimizer) -> None:
+        """Refuse an optimizer this strategy cannot compile, or compile its step for
+        ``clip_and_step`` (compile.optimizer=true); the optimizer itself is left as it is."""
 
     def report(self) -> dict:
         """What compiling cost, for metrics.jsonl (nothing when nothing was compiled)."""
@@ -99,6 +101,7 @@ class TorchCompile(Compile):
         self.mode, self.backend, self.fullgraph, self.dynamic, self.loss = mode, backend, fullgraph, dynamic, loss
         self.optimizer, self.regional, self.blocks = optimizer, regional, tuple(blocks)
         self.clock = CompileClock()
+        self.steps: CompiledStep | None = None  # compile.optimizer=true: the optimizer's step, compiled
 
     def options(self) -> dict:
         mode = {"mode": self.mode} if self.backend == "inductor" else {}
@@ -152,9 +155,9 @@ class TorchCompile(Compile):
                               "they are", "use optim.impl=foreach (inductor then fuses the step's kernels itself), "
                               "or compile.optimizer=false")
 
-    def wrap_optimizer(self, optimizer):
+    def compile_step(self, optimizer):
         if not self.optimizer:
-            return optimizer
+            return
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError("compile.optimizer", f"the engine steps its own optimizer ({type(optimizer).__name__}), "
                               "not a torch.optim one", "leave compile.optimizer=false with this engine")
@@ -163,8 +166,18 @@ class TorchCompile(Compile):
                               "torch.compile leaves as they are", "use optim.impl=foreach (inductor then fuses the "
                               "step's kernels itself), or compile.optimizer=false")
         self.clock.start()
-        optimizer.step = CompiledStep(optimizer, self.options())
-        return optimizer
+        self.steps = CompiledStep(optimizer, self.options())
+
+    def clip_and_step(self, optimizer, precision, params, max_norm):
+        """compile.optimizer=true: the unscale, clip and step in one compiled region where it can
+        (``CompiledStep.clip_and_step``; its step compiled for this optimizer on the first call
+        if ``compile_step`` did not do it before); otherwise ``EagerStep``'s."""
+        if not self.optimizer:
+            return super().clip_and_step(optimizer, precision, params, max_norm)
+        if self.steps is None or self.steps.optimizer is not optimizer:
+            self.compile_step(optimizer)
+        return self.steps.clip_and_step(precision, params, max_norm)
+
     def report(self):
         return self.clock.report()
 
@@ -185,10 +198,12 @@ class CompiledLoss:
 
 
 class CompiledStep:
-    """``optimizer.step`` through ``torch.compile`` (its step hooks included: looplib's count of
+    """An optimizer's step through ``torch.compile`` (its step hooks included: looplib's count of
     real updates sees every step), and ``clip_and_step``: the loop's unscale, clip and step with the
     gradient norm, the clipping, the non-finite skip and the update in ONE compiled region (one
-    inductor graph; never a CUDA graph: ``step_options``).
+    inductor graph; never a CUDA graph: ``step_options``). The optimizer itself is left as it is:
+    where the region declines, the precision steps a ``Stepping`` view of it, whose ``step`` is the
+    compiled one.
 
     - **The skip on the device.** A step whose gradients are not finite (fp32/bf16: the gradient
       norm; fp16: the loss scaler's flag, set by its unscale) updates nothing: the region keeps
@@ -198,8 +213,8 @@ class CompiledStep:
       makes the optimizer's state, which a skipped step must leave unmade. Each step after it runs
       the region.
     - **Where the region cannot keep a value** (a state entry that is not a plain tensor: FSDP's
-      DTensors, bitsandbytes' and torchao's 8-bit states) the loop clips eagerly and the step alone
-      is compiled, as before (logged once); so too for a precision whose own ``step`` the region
+      DTensors, bitsandbytes' and torchao's 8-bit states) the clip runs eagerly (``EagerStep``'s)
+      and the step alone is compiled (logged once); so too for a precision whose own ``step`` the region
       does not know (a subclass that overrides ``step`` without ``stepped``: ``joins_region``).
     - **The learning rate.** On a GPU each group's rate becomes a 0-dim tensor on the parameters'
       device, so a schedule that changes it writes into the tensor (``fill_``) and never recompiles
@@ -208,8 +223,8 @@ class CompiledStep:
       a CPU it stays a number (a tensor rate needs those)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, options: dict):
-        # the class's step (torch wraps it to run the step hooks); an LR scheduler built before or after
-        # this sees a step it need not wrap (_wrapped_by_lr_sched) and the call noted as its own wrapper would
+        # the class's step (torch wraps it to run the step hooks), not an LR scheduler's wrapper of
+        # the optimizer's step: the call is noted as that wrapper would (_opt_called)
         self.optimizer, self.step = optimizer, type(optimizer).step.__get__(optimizer)
         options = step_options(options)
         self.compiled = torch.compile(self.step, **options)
@@ -217,7 +232,7 @@ class CompiledStep:
         # step compiled on its own is traced without grad); the region runs without grad throughout
         self.update = inspect.unwrap(type(optimizer).step).__get__(optimizer)
         self.region = torch.compile(self._clip_and_step, **options)
-        self._wrapped_by_lr_sched = True
+        self.stepping = Stepping(optimizer, self)  # what the precision steps where the region declines
         self.made, self.plain = False, None  # a real update happened; the state is plain tensors
         self._made = optimizer.register_step_post_hook(self._stepped)
 
@@ -251,10 +266,17 @@ class CompiledStep:
                     state["step"] = state["step"].to(p.device)  # where torch.compile would move it, before the region
 
     def clip_and_step(self, precision, params: list[torch.Tensor], max_norm: float | None):
+        """The loop's unscale, clip and step: in the compiled region (``in_region``), or where it
+        declines ``EagerStep``'s on the ``Stepping`` view (the clip eager, the step compiled but at
+        the first real update). ``(grad_norm, skipped)`` either way."""
+        done = self.in_region(precision, params, max_norm)
+        return done if done is not None else EagerStep().clip_and_step(self.stepping, precision, params, max_norm)
+
+    def in_region(self, precision, params: list[torch.Tensor], max_norm: float | None):
         """The loop's unscale, clip and step in one compiled region: ``(grad_norm, skipped)`` as the
         eager ones return them (``skipped``: a device flag, 1.0 where the update was skipped, or None
-        where the step hooks tell). None where the loop runs its eager path instead (the first real
-        update; state the region cannot keep; no gradients at all)."""
+        where the step hooks tell). None where the eager path runs instead (the first real update;
+        state the region cannot keep; no gradients at all)."""
         if not self.made or not any(p.grad is not None for p in params) or not joins_region(precision):
             return None
         if self.plain is None:
@@ -291,6 +313,26 @@ class CompiledStep:
         for t, old in zip(kept, before):
             t.copy_(torch.where(skip, old, t))
         return norm, skip.float()
+
+
+class Stepping:
+    """An optimizer as the precision steps it where the compiled region declines: every attribute
+    (and every attribute set) the optimizer's own, but ``step``, which is ``CompiledStep``'s call.
+    The optimizer is not changed; one view per optimizer, so GradScaler's record of it (by
+    ``id``) holds from its unscale to its step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: CompiledStep):
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "step", step)
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.optimizer, name, value)
+
+    def __delattr__(self, name):
+        delattr(self.optimizer, name)
 
 
 def step_options(options: dict) -> dict:

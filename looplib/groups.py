@@ -79,13 +79,17 @@ GROUPS: list[Group] = [
         "end-of-run sample; a `seq_len` key that data configs read as `${model.seq_len}`")),
     Group("data", Corpus, None, "pysource", False, "dataset", "data", stage="expensive", calls=(
         "`.train`, `.eval`: map-style datasets of dict samples; `encode(text)`, `decode(ids)`; a `vocab_size` key "
-        "that model configs read as `${data.vocab_size}` ([data.md](data.md))")),
+        "that model configs read as `${data.vocab_size}`; a class that takes the keyword `expected` is handed, "
+        "under a resume, the checkpoint's identity to compare itself with as it is built (`looplib.data.identity`) "
+        "([data.md](data.md))")),
     Group("checkpointing", Checkpointing, made(Checkpointing), "none", True, "checkpointing", "checkpointing", "exact",
           calls="`check(engine, compile)` at assembly; `apply(model) -> model` (activation memory: recompute, keep "
                 "or offload what chosen blocks save for backward; not saved checkpoints, see [memory.md](memory.md)); "
                 "`kind` tells the planner which"),
     Group("compile", Compile, made(Compile), "none", True, "compile", "compile", "exact",
-          calls="`wrap(model) -> model`, after the model is on its device"),
+          calls="`wrap(model) -> model`, after the model is on its device; `compile_step(optimizer)` before "
+                "training; `clip_and_step(optimizer, precision, params, max_norm) -> (grad_norm, skipped)` ends "
+                "each window of the loop (plain PyTorch: `looplib.loop.EagerStep`'s)"),
     Group("loss", object, made(TokenCrossEntropy), "lm", False, "objective", "objective", "exact", calls=(
         "`__call__(model, batch)` -> the loss **summed** over the batch's items; `count(batch)` -> how many items, "
         "on the host batch")),
@@ -106,7 +110,8 @@ GROUPS: list[Group] = [
           calls="`build(optimizer, total_steps)`; override `factor(step, total_steps)` (a multiplier of lr)"),
     Group("peft", FullModel, made(FullModel), "none", True, "peft", "peft", "numerics",
           calls="`check(engine, precision)` at assembly; the model built inside `loading()`; `wrap(model) -> model` "
-                "before the model moves to its device; `save(model, run_dir)` at the end"),
+                "before the model moves to its device; `exports() -> Exports` at the end (what the run exports: "
+                "`looplib.store.export` writes it)"),
     Group("evaluation", Evaluation, made(Evaluation), "as_trained", True, "evaluation", "evaluation",
           calls="`__call__(model, batches, objective, precision, engine) -> float` (mean loss per item)"),
     Group("reward", object, made(NoReward), "none", True, "reward", "reward", calls=(

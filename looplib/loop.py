@@ -24,11 +24,13 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
         accumulation: Accumulation | None = None, engine: Engine | None = None,
         max_grad_norm: float | None = None, telemetry: Telemetry | None = None,
         eval_data=None, eval_every: int = 0, evaluator=None, checkpoints=None,
-        state: TrainState | None = None) -> TrainState:
+        state: TrainState | None = None, compile: EagerStep | None = None) -> TrainState:
     """Train ``model`` (already on ``engine``'s device) until ``state.step == max_steps``, or
     until ``checkpoints`` says stop (preemption: ``state.preempted`` is then True).
-    ``checkpoints``: anything with ``after_step(state) -> stop`` (``looplib.store.saving.Checkpoints``)."""
+    ``checkpoints``: anything with ``after_step(state) -> stop`` (``looplib.store.saving.Checkpoints``);
+    ``compile``: the compile strategy, whose ``clip_and_step`` ends each window (``EagerStep``'s)."""
     precision, accumulation = precision or Precision(), accumulation or Accumulation(1)
+    compile = compile or EagerStep()  # looplib.compile.TorchCompile: the compiled clip-and-step
     engine, state = engine or Engine("cpu"), state or TrainState()
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     telemetry = telemetry or Telemetry(enabled=False, device=engine.device)
@@ -49,7 +51,7 @@ def fit(model: nn.Module, data: DataLoader | Epochs, *, objective, optimizer: to
                     loss = objective(model, batch) / items
                 precision.backward(loss)
             telemetry.add(loss)
-        grad_norm, skipped = clip_and_step(optimizer, precision, params, max_grad_norm)  # unscale, clip, step
+        grad_norm, skipped = compile.clip_and_step(optimizer, precision, params, max_grad_norm)  # unscale, clip, step
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)        # step, *then* zero
         state.end_window(epochs, updated=telemetry.updated(), skipped=skipped)
@@ -68,17 +70,17 @@ class NoCheckpoints:
         return False
 
 
-def clip_and_step(optimizer, precision: Precision, params: list[torch.Tensor], max_norm: float | None):
-    """fp16's unscale (once per step, before clipping), clipping, then the step, skipped if the
-    gradients hold inf/NaN: ``(grad_norm, skipped)``. With ``compile.optimizer=true`` the optimizer's
-    compiled step does all three in one compiled region (``looplib.compile.CompiledStep``)."""
-    region = getattr(getattr(optimizer, "step", None), "clip_and_step", None)  # DeepSpeed's StepHooks: no step
-    done = region(precision, params, max_norm) if region is not None else None
-    if done is not None:
-        return done
-    precision.unscale(optimizer)
-    grad_norm = clip_grad_norm(params, max_norm)
-    return grad_norm, precision.step(optimizer, grad_norm)
+class EagerStep:
+    """The end of an accumulation window in plain PyTorch, the verb the loop calls there:
+    ``clip_and_step``. The compile strategy (``looplib.compile.Compile``) is one; with
+    ``compile.optimizer=true`` it runs the same three in one compiled region instead."""
+
+    def clip_and_step(self, optimizer, precision: Precision, params: list[torch.Tensor], max_norm: float | None):
+        """fp16's unscale (once per step, before clipping), clipping, then the step, skipped if the
+        gradients hold inf/NaN: ``(grad_norm, skipped)``."""
+        precision.unscale(optimizer)
+        grad_norm = clip_grad_norm(params, max_norm)
+        return grad_norm, precision.step(optimizer, grad_norm)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | None:

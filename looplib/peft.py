@@ -2,8 +2,9 @@
 
 Only the adapter weights require gradients, so the optimizer (built from trainable
 parameters only, ``looplib.optim.param_groups``) holds state for them alone, and the run
-saves them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
-own format) instead of ``model.safetensors``. ``load_lora(fresh_model, run_dir / "adapter")``
+exports them alone (``adapter/adapter_model.safetensors`` + ``adapter_config.json``, peft's
+own format) instead of ``model.safetensors``: a strategy declares what the run exports
+(``exports()``, an ``Exports``), and ``looplib.store.export`` writes it. ``load_lora(fresh_model, run_dir / "adapter")``
 loads them back. Which layers get adapters, unless ``target_modules`` names them: for a
 transformers model (``looplib.hf``) peft's own choice for its architecture (llama: q_proj,
 v_proj; gpt2: c_attn; a type peft has no entry for: every Linear but the output layer), for
@@ -20,17 +21,15 @@ library (absolute imports), imported only when LoRA is chosen (``pip install 'lo
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 
-from .engines.local import Engine
 from .errors import ConfigError, need
 from .precision import Precision
 from .schema import Beta, Positive
@@ -45,8 +44,18 @@ ALL_LINEAR = "all-linear"
 ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
 
+@dataclass(frozen=True)
+class Exports:
+    """What a run exports at its end, as its adapter strategy declares it (``exports()``);
+    ``looplib.store.export.write_exports`` writes it. ``weights``: ``full`` (every weight:
+    ``model.safetensors``), ``adapter`` (the adapter alone: ``adapter/``, peft's format) or
+    ``merged`` (the adapter merged into its base: ``model.safetensors`` with the base's keys); a
+    transformers model writes each as ``hf/`` instead."""
+    weights: Literal["full", "adapter", "merged"] = "full"
+
+
 class FullModel:
-    """Train and save every parameter: the null object."""
+    """Train and export every parameter: the null object."""
 
     def check(self, engine, precision) -> None:
         """Refuse an engine or a precision this adapter cannot train under (build time)."""
@@ -61,16 +70,9 @@ class FullModel:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def save(self, model: nn.Module, run_dir: Path, engine=None, corpus=None) -> None:
-        """Every rank calls this (ZeRO-3 gathers); the main rank writes model.safetensors, or for
-        a transformers model (one with ``export``) ``hf/``, which transformers loads."""
-        engine = engine or Engine()
-        if hasattr(engine.unwrap(model), "export"):
-            weights = engine.full_weights(model)
-            if engine.is_main:
-                engine.unwrap(model).export(Path(run_dir), weights, corpus)
-        else:
-            engine.export_weights(model, Path(run_dir) / "model.safetensors")
+    def exports(self) -> Exports:
+        """What the run writes at its end (``looplib.store.export`` writes it): every weight."""
+        return Exports("full")
 
 
 class LoRA(FullModel):
@@ -149,30 +151,10 @@ class LoRA(FullModel):
                  100 * trainable / total)
         return wrapped
 
-    def save(self, model, run_dir, engine=None, corpus=None):
-        """Every rank calls this (ZeRO-3 gathers); the main rank writes ``adapter/`` (peft's
-        format) or with ``merge`` the merged weights as ``model.safetensors`` (4-bit layers
-        dequantised), or for a transformers model ``hf/`` (the adapter, or merged weights)."""
-        engine = engine or Engine()
-        unwrapped = engine.unwrap(model)
-        weights = engine.full_weights(model)
-        if not engine.is_main:
-            return
-        if hasattr(unwrapped, "export"):
-            unwrapped.export(Path(run_dir), weights, corpus, merge=self.merge)
-        elif self.merge:  # the plain model's keys: what looplib.generate and load_model read
-            from .hf.export import merge_lora
-            from .quantize import dequantized
-            from .engines.local import write_safetensors
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            write_safetensors(merge_lora(unwrapped, dequantized(unwrapped, weights), merge=True),
-                              Path(run_dir) / "model.safetensors")
-        else:  # safetensors by default; written beside and renamed (never a half-written adapter/)
-            target, tmp = Path(run_dir) / "adapter", Path(run_dir) / "adapter.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            unwrapped.save_pretrained(str(tmp), state_dict=weights)
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(tmp, target)
+    def exports(self) -> Exports:
+        """The adapter alone (``adapter/``, peft's format; a transformers model: ``hf/``), or with
+        ``merge`` the weights with the adapter merged in (4-bit layers dequantised)."""
+        return Exports("merged" if self.merge else "adapter")
 
 
 class QLoRA(LoRA):

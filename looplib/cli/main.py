@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..engines import board
 from ..engines.launch import relaunch
+from ..data import identity
 from ..errors import ConfigError, Interrupted, NothingToDo, PeerRefused, RunEnded
 from ..groups import strategies
 from ..loggers import Loggers
@@ -29,7 +30,7 @@ from ..run.settings import NOT_ARGUMENTS
 from ..run.signals import Signals
 from . import sweep
 from .entry import BOUNDARY
-from .instantiate import build_loggers, check_config, instantiate, origin
+from .instantiate import build_loggers, check_config, instantiate, locate, origin
 
 
 class GroupRecipe(Recipe):
@@ -39,8 +40,12 @@ class GroupRecipe(Recipe):
     def __init__(self, cfg: DictConfig, name: str):
         self.cfg, self.name = cfg, name
 
-    def build(self):
-        return instantiate(self.cfg, self.name)
+    def build(self, expected=None):
+        """The group's object; ``expected`` (a resume's ``identity.Expected``) to a class that takes it."""
+        target = self.cfg[self.name].get("_target_")
+        takes = expected is not None and target and identity.takes_expected(locate(self.name, target))
+        runtime = {"expected": expected} if takes else {}
+        return instantiate(self.cfg, self.name, **runtime)
 
 
 def job_spec(cfg: DictConfig) -> JobSpec:

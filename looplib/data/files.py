@@ -15,6 +15,7 @@ from ..schema import Positive, Range, Seed
 from .cache import Tokenised, build as build_cache, cache_key
 from .progress import progress
 from . import identity
+from .identity import Expected
 from .corpus import Corpus
 from .index import hash_file
 from .packing import PadCollate, TokenWindows
@@ -40,8 +41,9 @@ class FileCorpus(Corpus):
     eos_ends: str | None = None
 
     def __init__(self, path, seq_len: int, tokenizer: str | None, vocab_size: int, eval_path, eval_fraction: float,
-                 seed: int, errors: str):  # checked by looplib.schema against the subclasses' annotations
+                 seed: int, errors: str, expected: Expected | None = None):  # looplib.schema: the subclasses'
         self.seq_len, self.errors, self.seed, self.chat = seq_len, errors, seed, None
+        self.expected = expected  # a resume: the identity of the checkpoint (looplib.data.identity), else None
         files = resolve_files(path, "data.path")
         self.files = files
         eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []
@@ -56,7 +58,7 @@ class FileCorpus(Corpus):
             train_part = identity.part(files, digests)
             self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
                 "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)}}
-            identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
+            identity.check(self.identity, expected)  # a resume whose files changed: refused before tokenising
             if tokenizer is None:  # before training one (a given tokenizer's own refusals come first: they cost nothing)
                 self.refuse_early(files, eval_files, eval_fraction, seed, path)
             self.info = self.tokenizer_for(tokenizer, vocab_size, files, digests)
@@ -120,6 +122,7 @@ class FileCorpus(Corpus):
         if spec is None:
             key = cache_key("bpe", vocab_size, self.reader_settings(), content_digest(files, digests))
             info = train_tokenizer(lambda: self.texts(files), vocab_size, key, nothing=no_text(files, "data.path"),
+                                   expected=self.expected,
                                    total_bytes=sum(f.stat().st_size for f in files))
             self.identity["tokenizer"] = {"digest": info.digest, "trained": True, "vocab_size": vocab_size}
             return info
@@ -132,7 +135,7 @@ class FileCorpus(Corpus):
         self.identity["tokenizer"] = {**identity.part(files, [hash_file(f, "data.tokenizer", False)[0] for f in files]),
                                       "digest": identity.digest_over(
             info.digest, info.eos_id, info.pad_id, info.prefix, info.suffix, info.chat_template)}
-        identity.check({"tokenizer": self.identity["tokenizer"]})  # before anything is tokenised with it
+        identity.check({"tokenizer": self.identity["tokenizer"]}, self.expected)  # before anything is tokenised with it
         if vocab_size != info.vocab_size:
             raise ConfigError("data.vocab_size", f"data.vocab_size={vocab_size} but the tokenizer at {spec} has "
                               f"{info.vocab_size} tokens", f"set data.vocab_size={info.vocab_size}, the tokenizer's own size")
@@ -202,9 +205,10 @@ class TextCorpus(FileCorpus):
 
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
                  vocab_size: Positive[int] = 8192, field: str = "text", eval_path: str | list[str] | None = None,
-                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict",
+                 expected: Expected | None = None):
         self.field = field
-        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
+        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors, expected)
 
     def reader_settings(self):
         return {**super().reader_settings(), "field": self.field}

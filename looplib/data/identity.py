@@ -9,19 +9,18 @@ one line (``refuse``), because the checkpoint's weights learned from the old dat
 tokenizer maps text to other ids under the same embeddings).
 
 The command line also compares early: before a run builds its data, ``looplib.run`` reads the
-fingerprint of the checkpoint it is about to resume and sets it here (``expecting``); the file
-corpora then ``check`` their files' digests before they tokenise anything, and a tokenizer
+fingerprint of the checkpoint it is about to resume (an ``Expected``) and hands it to the corpus
+it builds (the keyword ``expected``, for a corpus class that takes it: ``takes_expected``); the
+file corpora then ``check`` their files' digests before they tokenise anything, and a tokenizer
 trained on the data is never trained again under a checkpoint: the cache's copy or the
 checkpoint's own (``tokenizer.json``) is used, or the resume is refused (``trained_tokenizer``).
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import make_dir_beside
@@ -55,16 +54,21 @@ def digest_of(value) -> str | None:
     return None if value is None else str(value)
 
 
-@dataclass
 class Expected:
     """The fingerprint of the checkpoint a run is about to resume (or that ``python -m
-    looplib.generate`` reads a run's data for: ``key``, ``consequence`` and ``fix`` word its refusal)."""
-    fingerprint: dict
-    checkpoint: Path
-    key: str = "resume"
-    consequence: str = "so its weights would continue on other data"
-    fix: str = ("put the files back as they were to continue this run, or start a new run in a new directory "
-                "(without resume)")
+    looplib.generate`` reads a run's data for: ``key``, ``consequence`` and ``fix`` word its refusal).
+    A plain class, not a dataclass: Hydra's ``instantiate`` would read a dataclass handed to a
+    corpus as config and convert it to a dict."""
+
+    def __init__(self, fingerprint: dict, checkpoint: Path, key: str = "resume",
+                 consequence: str = "so its weights would continue on other data",
+                 fix: str = ("put the files back as they were to continue this run, or start a new run in a new "
+                             "directory (without resume)")):
+        self.fingerprint, self.checkpoint, self.key = fingerprint, Path(checkpoint), key
+        self.consequence, self.fix = consequence, fix
+
+    def __repr__(self) -> str:
+        return f"Expected(checkpoint={str(self.checkpoint)!r}, key={self.key!r})"
 
     def get(self, key: str):
         return self.fingerprint.get(key)
@@ -75,26 +79,18 @@ class Expected:
         return f if f.is_file() else None
 
 
-_EXPECTED: ContextVar[Expected | None] = ContextVar("looplib_expected_identity", default=None)
-
-
-@contextmanager
-def expecting(expected: Expected | None):
-    """Within the block, corpora being built compare themselves with ``expected`` (None: nothing)."""
-    token = _EXPECTED.set(expected)
+def takes_expected(target) -> bool:
+    """Whether a corpus class (or function) takes the keyword ``expected`` (looplib's file corpora
+    do; a corpus of one's own may): the builders hand it only to one that does."""
     try:
-        yield
-    finally:
-        _EXPECTED.reset(token)
+        return "expected" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-def expected() -> Expected | None:
-    return _EXPECTED.get()
-
-
-def check(now: dict) -> None:
-    """Refuse (``ConfigError``) when the parts in ``now`` differ from the checkpoint's being resumed."""
-    e = expected()
+def check(now: dict, e: Expected | None) -> None:
+    """Refuse (``ConfigError``) when the parts in ``now`` differ from those of the checkpoint being
+    resumed (``e``; None: no resume, nothing to compare)."""
     if e is not None:
         refuse({k: e.get(k) for k in now if k in e.fingerprint}, now, e.checkpoint, e)
 
@@ -147,14 +143,13 @@ def file_changes(saved: dict, now: dict, parts: list[str]) -> str:
     return f"in {root}: " + "; ".join(shown) if root else "; ".join(shown)
 
 
-def trained_tokenizer(target: Path, vocab_size: int):
-    """Under a resume, the tokenizer the run trained on its data, never a new one: the cache's
-    copy at ``target`` when it is the run's, else the checkpoint's own copy (put back into the
-    cache); None when no resume is expected or its tokenizer was not trained on the data;
-    ``ConfigError`` when neither copy is there."""
+def trained_tokenizer(target: Path, vocab_size: int, e: Expected | None):
+    """Under a resume (``e``: the checkpoint's identity), the tokenizer the run trained on its data,
+    never a new one: the cache's copy at ``target`` when it is the run's, else the checkpoint's own
+    copy (put back into the cache); None when no resume is expected (``e`` None) or its tokenizer
+    was not trained on the data; ``ConfigError`` when neither copy is there."""
     from tokenizers import Tokenizer
 
-    e = expected()
     saved = e.get("tokenizer") if e is not None else None
     if not isinstance(saved, dict) or not saved.get("trained") or saved.get("vocab_size") != vocab_size:
         return None  # (another vocabulary size: the config check of the resume names that change)

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError
 from ..schema import Positive, Seed
+from .identity import Expected
 from .cache import Tokenised
 from .files import EvalFraction, FileCorpus
 from .packing import IGNORE, next_token_example
@@ -51,13 +52,13 @@ class PreferenceCorpus(FileCorpus):
                  vocab_size: Positive[int] = 8192, prompt_field: str = "prompt", chosen_field: str = "chosen",
                  rejected_field: str = "rejected", truncation: Truncation = "prompt_start",
                  eval_path: str | list[str] | None = None, eval_fraction: EvalFraction = 0.05, seed: Seed = 0,
-                 errors: Literal["strict", "replace"] = "strict"):
+                 errors: Literal["strict", "replace"] = "strict", expected: Expected | None = None):
         if truncation not in ("prompt_start", "completion_end"):
             raise ConfigError("data.truncation", f"truncation={truncation!r} is not a way to cut a long pair",
                               "use data.truncation=prompt_start or data.truncation=completion_end")
         self.fields = {"prompt": prompt_field, "chosen": chosen_field, "rejected": rejected_field}
         self.truncation = truncation
-        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
+        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors, expected)
         self.collate = PairCollate(self.pad_id)
 
     check_files = InstructCorpus.check_files

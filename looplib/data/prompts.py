@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError
 from ..schema import Positive, Seed
+from .identity import Expected
 from .files import EvalFraction, FileCorpus
 from .readers import field, is_records, records, resolve_files, text_field
 from .tokenizer import ChatTemplate
@@ -38,10 +39,10 @@ class PromptCorpus(FileCorpus):
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
                  vocab_size: Positive[int] = 8192, prompt_field: str = "prompt",
                  eval_path: str | list[str] | None = None, eval_fraction: EvalFraction = 0.05, seed: Seed = 0,
-                 errors: Literal["strict", "replace"] = "strict"):
+                 errors: Literal["strict", "replace"] = "strict", expected: Expected | None = None):
         self.prompt_field = prompt_field
         self.eval_files = resolve_files(eval_path, "data.eval_path") if eval_path else []  # their records: build()
-        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
+        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors, expected)
         self.collate = PromptCollate()
 
     def check_files(self, files, key):

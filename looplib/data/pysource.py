@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..schema import Positive, Range
 from . import identity
+from .identity import Expected
 from .cache import build as build_cache, cache_key
 from .corpus import Corpus
 from .packing import TokenWindows
@@ -29,7 +30,7 @@ class PythonSource(Corpus):
 
     def __init__(self, seq_len: Positive[int], vocab_size: Positive[int] = 2048, max_bytes: Positive[int] = 3_000_000,
                  eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.05, root: str | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, expected: Expected | None = None):
         files = python_files(Path(root or sysconfig.get_paths()["stdlib"]), max_bytes)
         if len(files) < 2:  # one file at least for training, one held out
             raise ConfigError("data.max_bytes", f"{len(files)} Python file(s) under {root or 'the standard library'} "
@@ -42,12 +43,12 @@ class PythonSource(Corpus):
         cut = len(files) - n_eval_files
         self.identity = {"train": identity.part(files[:cut], digests[:cut]),
                          "eval": identity.part(files[cut:], digests[cut:])}
-        identity.check(self.identity)  # a resume whose files changed: refused before anything is tokenised
+        identity.check(self.identity, expected)  # a resume whose files changed: refused before anything is tokenised
 
         def texts():
             return (f.read_text(encoding="utf-8", errors="replace") for f in files)
 
-        self.info = train_tokenizer(texts, vocab_size, key, where)
+        self.info = train_tokenizer(texts, vocab_size, key, where, expected=expected)
         self.tokenizer, eot = self.info.tokenizer, self.info.eos_id
         self.identity["tokenizer"] = {"digest": self.info.digest, "trained": True, "vocab_size": vocab_size}
 

@@ -14,6 +14,7 @@ import numpy as np
 from ..atomic import write_atomic
 from ..errors import ConfigError
 from ..schema import NonNegative, Positive, Seed
+from .identity import Expected
 from .files import EvalFraction, FileCorpus
 from .packing import Examples, Packed, Sequences
 from .readers import field, is_records, records, text_field
@@ -35,10 +36,11 @@ class InstructCorpus(FileCorpus):
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], tokenizer: str | None = None,
                  vocab_size: Positive[int] = 8192, prompt_field: str = "prompt", completion_field: str = "completion",
                  messages_field: str = "messages", pack: bool = False, eval_path: str | list[str] | None = None,
-                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict"):
+                 eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict",
+                 expected: Expected | None = None):
         self.fields = {"prompt": prompt_field, "completion": completion_field, "messages": messages_field}
         self.pack = pack
-        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
+        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors, expected)
 
     def check_files(self, files, key):
         plain = [f for f in files if not is_records(f)]
@@ -130,7 +132,8 @@ class ClassificationCorpus(FileCorpus):
                  label_field: str = "label", label_names: list[str] | None = None, tokenizer: str | None = None,
                  vocab_size: Positive[int] = 30522, eval_path: str | list[str] | None = None,
                  eval_fraction: EvalFraction = 0.05, seed: Seed = 0, errors: Literal["strict", "replace"] = "strict",
-                 n_train: Positive[int] = 512, n_eval: NonNegative[int] = 64, num_classes: Positive[int] = 2):
+                 n_train: Positive[int] = 512, n_eval: NonNegative[int] = 64, num_classes: Positive[int] = 2,
+                 expected: Expected | None = None):
         self.fields = {"text": text_field, "label": label_field}
         self.given_names = list(label_names) if label_names else None
         if path is None:  # the guides' experiment, exactly as RandomCorpus builds it
@@ -139,7 +142,7 @@ class ClassificationCorpus(FileCorpus):
             self.label_names = [str(i) for i in range(num_classes)]
             self.encode = random.encode
             return
-        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors)
+        super().__init__(path, seq_len, tokenizer, vocab_size, eval_path, eval_fraction, seed, errors, expected)
 
     check_files = InstructCorpus.check_files
 

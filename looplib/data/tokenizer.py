@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from ..atomic import make_dir_beside
 from ..errors import ConfigError, need
-from .identity import tokenizer_digest, trained_tokenizer
+from .identity import Expected, tokenizer_digest, trained_tokenizer
 from .lock import building
 from .progress import progress
 
@@ -155,19 +155,20 @@ def specials(tok) -> tuple[list[int], list[int]]:
 
 
 def train_tokenizer(texts: Callable[[], Iterable[str]], vocab_size: int, key: str,
-                    root: Path | None = None, nothing: ConfigError | None = None, total_bytes: int = 0) -> TokenizerInfo:
+                    root: Path | None = None, nothing: ConfigError | None = None, total_bytes: int = 0,
+                    expected: Expected | None = None) -> TokenizerInfo:
     """A byte-level BPE (``<|endoftext|>`` as its one special token) trained on ``texts()``,
     cached under ``ROOT/tokenizer-KEY/`` (``root`` default ``$LOOPLIB_CACHE``; written to a
     temporary directory, then renamed). A cached file that does not load is trained again,
-    except under a resume: then the run's own tokenizer is used or the resume refused
-    (``identity.trained_tokenizer``). ``texts()`` that hold no text (empty or blank files) are
+    except under a resume (``expected``: the identity of the checkpoint it continues from): then
+    the run's own tokenizer is used or the resume refused (``identity.trained_tokenizer``). ``texts()`` that hold no text (empty or blank files) are
     refused (``nothing``, or a line of its own) before a tokenizer trained on nothing is cached.
     ``total_bytes``: the size of the text, for the progress bar (or lines) of a large one."""
     if vocab_size < 257:
         raise ConfigError("data.vocab_size", f"a byte-level BPE needs more than 256 tokens (got {vocab_size})",
                           "use e.g. data.vocab_size=8192")
     target = (root or cache_root()) / f"tokenizer-{key}"
-    resumed = trained_tokenizer(target, vocab_size)  # a resume: the run's own, never a new one
+    resumed = trained_tokenizer(target, vocab_size, expected)  # a resume: the run's own, never a new one
     if resumed is not None:
         return TokenizerInfo(resumed, source=None, eos_id=resumed.token_to_id(EOT), pad_id=resumed.token_to_id(EOT))
     cached = cached_tokenizer(target)

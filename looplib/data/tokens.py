@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..schema import Positive, Seed
 from . import identity
+from .identity import Expected
 from .cache import build as build_cache, cache_key
 from .corpus import Corpus
 from .files import EvalFraction, describe_files, split_documents
@@ -90,7 +91,7 @@ class TokenCorpus(Corpus):
     def __init__(self, path: str | list[str] | None, seq_len: Positive[int], vocab_size: Positive[int] = 50257,
                  eos_id: int | None = 50256, eval_path: str | list[str] | None = None,
                  eval_fraction: EvalFraction = 0.05, seed: Seed = 0, dtype: Literal["uint16", "uint32"] = "uint16",
-                 block_tokens: Positive[int] = 1 << 16, column: str = "input_ids"):
+                 block_tokens: Positive[int] = 1 << 16, column: str = "input_ids", expected: Expected | None = None):
         if eos_id is not None and not 0 <= eos_id < vocab_size:
             raise ConfigError("data.eos_id", f"data.eos_id={eos_id} is not an id of a {vocab_size}-token vocabulary",
                               "give the end-of-text id of the tokenizer the files were made with, or data.eos_id=null")
@@ -114,7 +115,7 @@ class TokenCorpus(Corpus):
             self.identity = {"train": train_part, "eval": identity.part(eval_files, eval_digests) if eval_files else {
                 "digest": identity.digest_over("split", train_part["digest"], eval_fraction, seed)},
                 "tokenizer": {"digest": identity.digest_over("tokens", settings)}}
-            identity.check(self.identity)  # a resume whose files changed: refused before anything is copied
+            identity.check(self.identity, expected)  # a resume whose files changed: refused before anything is copied
             self.split(files, digests, eval_files, eval_digests, layouts, settings, eval_fraction, seed, path)
 
         file_digests(hashed, lambda f: "data.path" if f in in_train else "data.eval_path", then=built)

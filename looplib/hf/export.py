@@ -2,7 +2,8 @@
 load: ``<run dir>/hf/`` with full weights (sharded beyond ``max_shard_size``), or with LoRA the
 adapter whose ``base_model_name_or_path`` is a loadable base (``path``, or ``<run dir>/hf_base/``
 saved beside it when the model was built from a config, or is a classifier whose head ``path``
-lacks), or merged weights (``peft.merge=true``); tokenizer files beside them."""
+lacks), or merged weights (``peft.merge=true``); tokenizer files beside them. A run's end reaches it through
+the wrapper's ``export`` (``looplib.store.export.write_exports``, as the peft strategy declares)."""
 from __future__ import annotations
 
 import copy

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.identity import Expected
 from ..errors import ConfigError
 from ..groups import groups
 from ..train_state import TrainState
-from . import autobatch, rules
+from . import autobatch, rules, teacher
 from ..store.checkpoint_dir import config_text
 from ..store.resume import check_reference
 from .settings import Settings
@@ -83,7 +84,9 @@ class Recipe:
     """A part that is built only once every cheap check has passed (the command line's data and
     model: ``looplib.cli.main.GroupRecipe``). ``build()`` returns the object."""
 
-    def build(self) -> Any:
+    def build(self, expected: Expected | None = None) -> Any:
+        """``expected``: the identity of the checkpoint a resume will continue from (None: none),
+        for data that compare themselves with it as they are built (``looplib.data.identity``)."""
         raise NotImplementedError
 
 
@@ -169,12 +172,14 @@ def check(parts: Parts, settings: Settings) -> None:
     rules.ask("parts", parts, settings)
 
 
-def build(parts: Parts, settings: Settings, record: Record) -> Job:
+def build(parts: Parts, settings: Settings, record: Record, expected: Expected | None = None) -> Job:
     """Check the data against the model and set the parts up (``check`` has passed).
     ``batch_size=auto`` is resolved here: ``settings`` and ``record`` then hold the chosen
-    micro-batch and accumulation."""
+    micro-batch and accumulation. ``expected``: the identity of the checkpoint a resume will take
+    (``looplib.store.resume.expected_identity``): a changed teacher or reference is refused here."""
     engine = parts.engine
     rules.ask("built", parts, settings)  # the data against the model, the objective and the adapter
+    teacher.check_resumed(parts.objective, expected)  # loss=distill resumed: the checkpoint's teacher, or refused
     name = model_name(parts.model)  # the user's model, before anything wraps it (peft, FSDP2's FSDPGPT, compile)
     model = parts.checkpointing.apply(parts.precision.convert(parts.peft.wrap(parts.model)))  # fp8: Float8Linear
     job = Job.of(parts, settings, record)
@@ -184,7 +189,7 @@ def build(parts: Parts, settings: Settings, record: Record) -> Job:
     attach = getattr(job.objective, "attach", None)  # an objective that keeps the starting model (DPO's reference)
     if attach is not None:  # before a resumed checkpoint is loaded, and before batch_size=auto probes memory
         attach(job.model, engine)
-        check_reference(getattr(job.objective, "identity", None))  # a resume whose reference changed: refused now
+        check_reference(getattr(job.objective, "identity", None), expected)  # a resume whose reference changed
     prepare = getattr(job.objective, "prepare", None)  # loss.reference=precomputed: the pass over every pair, once
     if prepare is not None:
         prepare(job.model, job.data, engine, job.precision,

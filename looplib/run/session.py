@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.identity import expecting
 from ..engines import board
+from ..data.identity import Expected
 from ..errors import ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, PeerRefused, RunEnded
 from ..peft import FullModel
 from .assembly import Job, JobSpec, Recipe, Trained, build, check as check_parts
@@ -116,11 +116,12 @@ class Session:
         return plan(spec.parts.engine, spec.settings, spec.record, self.run_dir, self.export)
 
     def build(self, spec: JobSpec, resumed: Resumed | None = None) -> Job:
-        """The expensive parts (data changed under a resume: refused as it is read), then the job."""
+        """The expensive parts (data changed under a resume: refused as it is read; the checkpoint's
+        identity handed to them), then the job."""
         taken = str(resumed.path) if resumed is not None and resumed.path is not None else None
-        with expecting(expected_identity(taken, self.run_dir)):
-            build_expensive(spec)
-            return build(spec.parts, spec.settings, spec.record)
+        expected = expected_identity(taken, self.run_dir)
+        build_expensive(spec, expected)
+        return build(spec.parts, spec.settings, spec.record, expected)
 
     def close(self, job: Job, trained: Trained) -> Trained:
         """The engine closed (a collective under DDP and DeepSpeed: only once every rank got
@@ -154,17 +155,19 @@ class Session:
             raise end from err
 
 
-def build_expensive(spec: JobSpec) -> None:
+def build_expensive(spec: JobSpec, expected: Expected | None = None) -> None:
     """The parts given as recipes, built now that every cheap check has passed: the seed first
-    (their initialisation is seeded; Python's and NumPy's too), the data, then the model (inside
-    the adapter's ``loading``: QLoRA loads a transformers model in 4 bits); then a finished run's
-    weights (``init_from``). Parts given as objects were built by their caller."""
+    (their initialisation is seeded; Python's and NumPy's too), the data (``expected``: the
+    identity of the checkpoint a resume takes, which the data compare themselves with as they are
+    built), then the model (inside the adapter's ``loading``: QLoRA loads a transformers model in
+    4 bits); then a finished run's weights (``init_from``). Parts given as objects were built by
+    their caller."""
     parts = spec.parts
     if isinstance(parts.data, Recipe) or isinstance(parts.model, Recipe):
         torch.manual_seed(spec.settings.seed)
         seed_host_rngs(spec.settings.seed)
     if isinstance(parts.data, Recipe):
-        parts.data = parts.data.build()
+        parts.data = parts.data.build(expected=expected) if expected is not None else parts.data.build()
     if isinstance(parts.model, Recipe):
         with (parts.peft or FullModel()).loading():
             parts.model = parts.model.build()

@@ -31,10 +31,18 @@ def provide(objective, corpus, model: nn.Module | None = None, engine=None) -> N
         return
     refuse_sharding(engine)  # before reading a teacher the engine would refuse
     objective.take(load_teacher(path))
-    identity.check({"teacher": objective.fingerprint()})  # resumed: the checkpoint's teacher, or refused now
     if model is not None:
         same_vocabulary(objective.teacher, model, path)  # (the sizes first: the plainer line)
     same_tokens(getattr(corpus, "tokenizer", None), path)
+
+
+def check_resumed(objective, expected: identity.Expected | None) -> None:
+    """A resumed run's teacher, read from its directory (``provide``), is the checkpoint's
+    (``expected``: the identity of the checkpoint the run continues from): another one is refused
+    now, before anything is trained. No teacher read from a directory, or no resume: nothing."""
+    read = getattr(objective, "path", None) is not None and getattr(objective, "teacher", None) is not None
+    if expected is not None and read:
+        identity.check({"teacher": objective.fingerprint()}, expected)
 
 
 def load_teacher(path: str | Path) -> nn.Module:

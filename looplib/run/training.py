@@ -25,6 +25,7 @@ from .assembly import Job, Record, Trained, parameter_counts, refused
 from ..store.checkpoint_dir import config_text, seed_host_rngs
 from .plots import end_of_run_plot
 from ..store.elastic import current
+from ..store.export import write_exports
 from ..store.resume import Resumed, resume
 from ..store.rundir import artefacts
 from ..store.saving import Checkpoints
@@ -61,7 +62,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
     with refused("schedule", job.record):
         scheduler = job.schedule.build(optimizer, s.max_steps)
     job.model, optimizer, max_grad_norm = engine.prepare(job.model, optimizer, s)
-    optimizer = job.compile.wrap_optimizer(optimizer)  # compile.optimizer=true: its step compiled (the same object)
+    job.compile.compile_step(optimizer)  # compile.optimizer=true: its step compiled for the loop's clip_and_step
     saving = run_dir is not None and s.checkpoint.enabled  # checkpoint.enabled=false: none at all
     checkpoints = Checkpoints(run_dir / "checkpoints" if saving else None, s.checkpoint.every_steps, s.checkpoint.keep,
                               s.max_bad_steps, job.record.config if run_dir else None, engine.is_main, engine,
@@ -129,7 +130,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                 precision=job.precision, accumulation=accumulation, engine=engine,
                 max_steps=s.max_steps, max_grad_norm=max_grad_norm, telemetry=telemetry,
                 eval_data=eval_set or None, eval_every=s.eval_every, evaluator=job.evaluation,
-                checkpoints=checkpoints, state=state)
+                checkpoints=checkpoints, state=state, compile=job.compile)
             trained.model = job.model
             if state.preempted:
                 telemetry.finish("preempted", artefacts(run_dir) if run_dir else {})
@@ -150,7 +151,7 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
             if job.compile.report() or saved:
                 telemetry.write({"step": state.step, **job.compile.report(), **saved})
             if run_dir is not None and export:  # model.safetensors, hf/ for a transformers model, or the adapter
-                job.peft.save(job.model, run_dir, engine, job.data)  # every rank: ZeRO-3 and FSDP gather
+                write_exports(job.model, run_dir, job.peft.exports(), engine, job.data)  # every rank (gathers)
             telemetry.finish("finished", artefacts(run_dir) if run_dir else ({"metrics": str(metrics)} if metrics else {}))
         except BaseException:
             checkpoints.drain(timeout=DRAIN_S)  # a write in flight ends before the run lets its directory go

@@ -9,7 +9,9 @@ geometry, a finished run's exports, and weights read from a finished run.
     checkpoint_dir what a checkpoint directory holds, and the one check it passes before it is read
     resume         which checkpoint a run continues from, which config changes it accepts, the restore
     elastic        the geometry a checkpoint was saved on, and resuming on another
-    finished       a finished run's missing exports written on resume=auto
+    export         a run's final exports (model.safetensors, adapter/, hf/), as its peft strategy declares
+                   them: at the end of training, and on resume=auto of a run stopped before writing them
+    finished       a finished run's model, loaded from what it left (hf/, model.safetensors, a checkpoint)
     init_from      a finished run's weights into a new run's model (model.init_from)
 
 The run wing (``looplib.run``) drives these; nothing here imports the command line.

@@ -81,11 +81,18 @@ def build(node: Any) -> Any:
     target = node.get("_target_")
     if target is None:
         return kwargs
+    return locate(target)(**kwargs)
+
+
+def locate(target: Any) -> Any:
+    """The class (or function) a dotted ``_target_`` names (None: none)."""
+    if target is None:
+        return None
     module, _, name = str(target).rpartition(".")
     obj = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
-    return obj(**kwargs)
+    return obj
 
 
 def run_corpus(run_dir: Path):
@@ -103,8 +110,10 @@ def run_corpus(run_dir: Path):
         found.fingerprint, found.checkpoint, key="RUN_DIR",
         consequence="so its tokenizer and prompts would not be the ones its weights learned",
         fix="put the files back as they were (or give --prompt to a run exported for transformers, hf/)")
-    with identity.expecting(words):
-        return build(config["data"])
+    node = config["data"]
+    if words and identity.takes_expected(locate(node.get("_target_"))):
+        node = {**node, "expected": words}  # (a plain object: build passes it on as it is)
+    return build(node)
 
 
 def load_qlora(directory: Path, settings: dict, compute: torch.dtype, device: torch.device, transformers):

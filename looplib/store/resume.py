@@ -98,11 +98,11 @@ def expected_identity(where: str | None, run_dir: Path | None) -> identity.Expec
     return None
 
 
-def check_reference(now: dict | None) -> None:
+def check_reference(now: dict | None, e: identity.Expected | None) -> None:
     """A DPO run resumed with another reference (its starting weights changed: a model directory
     edited, another ``model.path``) would continue against other log-probabilities: refused
-    before anything is computed, naming both digests (``looplib.reference``)."""
-    e = identity.expected()
+    before anything is computed, naming both digests (``looplib.reference``). ``e``: the identity of
+    the checkpoint the resume continues from (None: no resume)."""
     saved = e.get("reference") if e is not None else None
     if not isinstance(saved, dict) or not isinstance(now, dict) or saved.get("weights") == now.get("weights"):
         return

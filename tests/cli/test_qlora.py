@@ -13,6 +13,7 @@ from looplib.cli.instantiate import instantiate
 from looplib.loss import TokenCrossEntropy
 from looplib.cli.plan import build_plan
 from looplib.quantize import is_4bit, quant_tensors, quantize
+from looplib.store.export import write_exports
 
 from conftest import needs_bnb, random_tokens, run_cli, tiny_gpt
 
@@ -73,7 +74,7 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     held = {id(p) for g in result.optimizer.param_groups for p in g["params"]}
     assert held == {id(p) for n, p in model.named_parameters() if "lora_" in n}
 
-    qlora().save(model, tmp_path)  # the adapter, in peft's format
+    write_exports(model, tmp_path, qlora().exports())  # the adapter, in peft's format
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     model.eval()
     with torch.no_grad():
@@ -92,7 +93,7 @@ def test_qlora_on_the_bundled_gpt(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(other(ids), trained, rtol=0, atol=0)
 
-    qlora(merge=True).save(model, tmp_path / "merged")  # dequantised and merged: the plain model's keys
+    write_exports(model, tmp_path / "merged", qlora(merge=True).exports())  # dequantised and merged: the plain model's keys
     merged = tiny_gpt(seed=5)
     load_model(merged, tmp_path / "merged" / "model.safetensors")
     with torch.no_grad():
@@ -179,7 +180,7 @@ def test_qlora_on_a_llama_read_from_model_path(tiny_pretrained, tmp_path, capsys
             if "lora_B" in name:
                 p.normal_(std=0.1)
         expected = model.eval()(ids)
-    qlora(merge=True).save(model, tmp_path / "merged")
+    write_exports(model, tmp_path / "merged", qlora(merge=True).exports())
     saved = json.loads((tmp_path / "merged" / "hf" / "config.json").read_text())
     assert "quantization_config" not in saved
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "hf").eval()

@@ -175,8 +175,9 @@ def counting_worker(rank: int, world: int, port: int, out: str, model_dir: str) 
     # the export under FSDP: the adapter, and with peft.merge=true the gathered packed bytes
     # dequantised with each layer's constants, the adapter merged
     from looplib.peft import QLoRA
-    QLoRA(r=4, alpha=8).save(net, Path(out) / "adapter", engine)
-    QLoRA(r=4, alpha=8, merge=True).save(net, Path(out) / "merged", engine)
+    from looplib.store.export import write_exports
+    write_exports(net, Path(out) / "adapter", QLoRA(r=4, alpha=8).exports(), engine)
+    write_exports(net, Path(out) / "merged", QLoRA(r=4, alpha=8, merge=True).exports(), engine)
     if engine.is_main:
         torch.save(counted, Path(out) / "counted.pt")
     engine.close()

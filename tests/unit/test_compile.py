@@ -20,18 +20,19 @@ def test_bad_compile_settings_are_refused_at_build_time(kwargs, key):
 # tracing without inductor's code generation, seconds on a CPU; the GPU runs inductor)
 
 
-def train(model, optimizer, steps=4, accum=2, schedule=None, seed=3, report=None):
+def train(model, optimizer, steps=4, accum=2, schedule=None, seed=3, strategy=None):
     """Losses per step of ``fit`` (clipping at 1.0, accumulation), read from the telemetry rows
-    (with ``report``, a compile strategy's: each row holds the compiles so far)."""
+    (with a compile ``strategy``, its clip-and-step; each row holds its compiles so far)."""
     from looplib.telemetry import Telemetry
     rows = []
     telemetry = Telemetry(enabled=False, log_every=1, total_steps=steps)
     telemetry.write = rows.append
-    if report is not None:
-        telemetry.compiled = report
+    if strategy is not None:
+        telemetry.compiled = strategy.report
     data = torch.utils.data.DataLoader(random_tokens(n=4 * accum * steps, seed=seed), batch_size=4)
     fit(model, data, objective=TokenCrossEntropy(), optimizer=optimizer, accumulation=Accumulation(accum),
-        max_steps=steps, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule(optimizer) if schedule else None)
+        max_steps=steps, max_grad_norm=1.0, telemetry=telemetry, scheduler=schedule(optimizer) if schedule else None,
+        compile=strategy)
     return [r["loss"] for r in rows], rows
 
 
@@ -51,8 +52,9 @@ def test_compiled_optimizer_step_trains_like_the_eager_step(impl, schedule):
     strategy = TorchCompile(backend="aot_eager", optimizer=True)
     model = tiny_gpt()
     optimizer = AdamW(lr=1e-2, impl=impl).build(model)
-    assert strategy.wrap_optimizer(optimizer) is optimizer  # the same object: checkpoints and schedules hold it
-    losses, rows = train(model, optimizer, schedule=decay, report=strategy.report)
+    strategy.compile_step(optimizer)
+    assert "step" not in vars(optimizer)  # the optimizer as it was: checkpoints and schedules hold it
+    losses, rows = train(model, optimizer, schedule=decay, strategy=strategy)
     compiles = [r["compiles"] for r in rows]
     assert compiles[0] == 0 and compiles[1] == 1 and compiles[-2] == compiles[-1] <= 2, compiles
     assert [r["skipped_steps"] for r in rows] == [0, 0, 0, 0]
@@ -67,16 +69,18 @@ def test_compiled_optimizer_step_refuses_fused_kernels_and_foreign_optimizers():
     from looplib import AdamW
     strategy = TorchCompile(backend="aot_eager", optimizer=True)
     with pytest.raises(ConfigError, match="runs fused kernels already.*use optim.impl=foreach") as err:
-        strategy.wrap_optimizer(AdamW(impl="fused").build(tiny_gpt()))
+        strategy.compile_step(AdamW(impl="fused").build(tiny_gpt()))
     assert err.value.key == "compile.optimizer"
     with pytest.raises(ConfigError, match="steps its own optimizer"):
-        strategy.wrap_optimizer(object())
+        strategy.compile_step(object())
     with pytest.raises(ConfigError, match="optim.impl=auto steps AdamW with fused kernels on this device"):
         strategy.check_optimizer(AdamW(), "cuda")  # at build time, before any model exists
     strategy.check_optimizer(AdamW(), "cpu")  # auto is foreach on a CPU
     strategy.check_optimizer(AdamW(impl="foreach"), "cuda")
     plain = AdamW(impl="fused").build(tiny_gpt())
-    assert TorchCompile(backend="aot_eager").wrap_optimizer(plain) is plain and "step" not in vars(plain)
+    eager = TorchCompile(backend="aot_eager")
+    eager.compile_step(plain)
+    assert eager.steps is None and "step" not in vars(plain)
 
 
 class Poisoned(TokenCrossEntropy):
@@ -107,8 +111,8 @@ def clip_step_run(precision, compiled, steps=5, max_norm=0.05, monkeypatch=None)
     optimizer = AdamW(lr=1e-2, impl="foreach").build(model)
     strategy = TorchCompile(backend="aot_eager", optimizer=True)
     if compiled:
-        strategy.wrap_optimizer(optimizer)
-        optimizer.step.plain = compiled == "region"  # False: the region declines, the loop clips eagerly
+        strategy.compile_step(optimizer)
+        strategy.steps.plain = compiled == "region"  # False: the region declines, the clip runs eagerly
     precision.setup(torch.device("cpu"))
     clips = []
     monkeypatch.setattr("looplib.loop.clip_grad_norm", lambda *a: clips.append(1) or clip_grad_norm(*a))
@@ -117,7 +121,7 @@ def clip_step_run(precision, compiled, steps=5, max_norm=0.05, monkeypatch=None)
     telemetry.write = rows.append
     data = torch.utils.data.DataLoader(random_tokens(n=8 * steps, seed=3), batch_size=4)
     fit(model, data, objective=Poisoned(at=5), optimizer=optimizer, accumulation=Accumulation(2), max_steps=steps,
-        precision=precision, max_grad_norm=max_norm, telemetry=telemetry)
+        precision=precision, max_grad_norm=max_norm, telemetry=telemetry, compile=strategy if compiled else None)
     state = [v for s in optimizer.state.values() for v in s.values()]
     return dict(rows=rows, weights=torch.cat([p.detach().flatten() for p in model.parameters()]), state=state,
                 precision=precision, clips=len(clips), compiles=strategy.report().get("compiles"),
@@ -186,13 +190,13 @@ def test_muon_and_a_precision_of_ones_own_under_the_compiled_clip_and_step(monke
         optimizer = Muon(lr=1e-2).build(model)
         strategy = TorchCompile(backend="aot_eager", optimizer=True)
         if compiled:
-            strategy.wrap_optimizer(optimizer)
+            strategy.compile_step(optimizer)
         rows = []
         telemetry = Telemetry(enabled=False, log_every=1, total_steps=4)
         telemetry.write, telemetry.compiled = rows.append, strategy.report
         data = torch.utils.data.DataLoader(random_tokens(n=32, seed=3), batch_size=4)
         fit(model, data, objective=Poisoned(at=5), optimizer=optimizer, accumulation=Accumulation(2), max_steps=4,
-            precision=precision, max_grad_norm=0.05, telemetry=telemetry)
+            precision=precision, max_grad_norm=0.05, telemetry=telemetry, compile=strategy if compiled else None)
         return rows, torch.cat([p.detach().flatten() for p in model.parameters()])
 
     eager, want = run(False, Precision())

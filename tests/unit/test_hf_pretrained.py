@@ -13,6 +13,7 @@ import torch
 
 from looplib import AdamW, ConfigError, LoRA, RandomTokens, train_model
 from looplib.loss import SequenceCrossEntropy
+from looplib.store.export import write_exports
 
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'looplib[hf]')")
@@ -45,14 +46,14 @@ def test_lora_adapter_and_merged_export_reload_with_the_trained_logits(tiny_pret
                          max_steps=3, batch_size=4, peft=lora, optim=AdamW(lr=2e-2), device="cpu")
     ids = ids_batch()
     trained = logits_of(result.model, ids)
-    lora.save(result.model, tmp_path / "adapter", corpus=corpus_like(tiny_pretrained))
+    write_exports(result.model, tmp_path / "adapter", lora.exports(), corpus=corpus_like(tiny_pretrained))
     config = json.loads((tmp_path / "adapter" / "hf" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_pretrained.resolve())
     adapter = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter" / "hf")  # no missing keys
     torch.testing.assert_close(logits_of(adapter, ids), trained, rtol=1e-5, atol=1e-5)
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_pretrained)
     assert not torch.allclose(logits_of(base, ids), trained, atol=1e-3)  # the adapter matters
-    LoRA(r=4, alpha=8, target_modules=["all-linear"], merge=True).save(result.model, tmp_path / "merged")
+    write_exports(result.model, tmp_path / "merged", LoRA(r=4, alpha=8, target_modules=["all-linear"], merge=True).exports())
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "hf")
     assert not any("lora" in name for name, _ in merged.named_parameters())
     torch.testing.assert_close(logits_of(merged, ids), trained, rtol=1e-4, atol=1e-4)
@@ -66,7 +67,7 @@ def test_lora_on_a_model_built_from_a_config_saves_the_base_it_points_at(tmp_pat
     lora = LoRA(r=2, allow_random_base=True)  # no target_modules: peft's defaults for llama; a random base, knowingly
     result = train_model(model, RandomTokens(8, SEQ, 64), max_steps=2, batch_size=4, peft=lora,
                          optim=AdamW(lr=2e-2), device="cpu")
-    lora.save(result.model, tmp_path)
+    write_exports(result.model, tmp_path, lora.exports())
     config = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == (tmp_path / "hf_base").resolve()
     defaults = peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["llama"]
@@ -95,7 +96,7 @@ def test_classifier_on_the_pretrained_backbone_exports_with_its_label_map(tiny_p
         predicted = torch.cat([result.model(d["input_ids"][None]) for d in data]).argmax(-1)
     assert rows[-1]["eval_accuracy"] == (predicted == data.labels).float().mean().item()
     assert "eval_perplexity" not in rows[-1]
-    (lora or __import__("looplib").FullModel()).save(result.model, tmp_path, corpus=corpus)
+    write_exports(result.model, tmp_path, (lora or __import__("looplib").FullModel()).exports(), corpus=corpus)
     auto = peft.AutoPeftModelForSequenceClassification if adapter else transformers.AutoModelForSequenceClassification
     loaded = auto.from_pretrained(tmp_path / "hf")
     ids = ids_batch()
@@ -156,7 +157,7 @@ def test_large_exports_are_sharded_and_a_sharded_directory_loads(tiny_pretrained
     from looplib import FullModel
     from looplib.hf import CausalLM
     model = CausalLM(seq_len=SEQ, path=str(tiny_pretrained), max_shard_size="100KB")
-    FullModel().save(model, tmp_path, corpus=corpus_like(tiny_pretrained))
+    write_exports(model, tmp_path, FullModel().exports(), corpus=corpus_like(tiny_pretrained))
     shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     again = CausalLM(seq_len=SEQ, path=str(tmp_path / "hf"))   # fine-tuning starts from the shards

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from looplib import GPT_LINEARS, AdamW, ConfigError, FullModel, LoRA, load_lora, train_model
+from looplib.store.export import write_exports
 
 from conftest import random_tokens, tiny_gpt
 
@@ -31,7 +32,7 @@ def test_lora_trains_only_adapters_and_round_trips(tmp_path):
         torch.testing.assert_close(current, value, rtol=0, atol=0)
     assert any(p.abs().sum() > 0 for n, p in adapter.items() if ".lora_B." in n)
 
-    lora.save(model, tmp_path)
+    write_exports(model, tmp_path, lora.exports())
     files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
     assert "adapter_model.safetensors" in files and "adapter_config.json" in files
     assert not (tmp_path / "model.safetensors").exists()
@@ -67,7 +68,7 @@ def test_a_model_without_default_targets_asks_for_them():
 def test_the_null_adapter_saves_the_whole_model(tmp_path):
     model = tiny_gpt()
     assert FullModel().wrap(model) is model
-    FullModel().save(model, tmp_path)
+    write_exports(model, tmp_path, FullModel().exports())
     from safetensors.torch import load_model
     fresh = tiny_gpt(seed=1)
     load_model(fresh, tmp_path / "model.safetensors")

@@ -328,7 +328,8 @@ def test_gpu_cuda_graphs_over_the_whole_step_with_clipping_train_like_eager():
         model = GPT(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64).cuda()
         optimizer = AdamW(lr=1e-3, impl="foreach").build(model)
         if strategy is not None:
-            model, optimizer = strategy.wrap(model), strategy.wrap_optimizer(optimizer)
+            model = strategy.wrap(model)
+            strategy.compile_step(optimizer)
         rows = []
         telemetry = Telemetry(enabled=False, log_every=1, total_steps=8, device="cuda")
         telemetry.write = rows.append
@@ -336,7 +337,7 @@ def test_gpu_cuda_graphs_over_the_whole_step_with_clipping_train_like_eager():
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
         with mock.patch("looplib.loop.clip_grad_norm", lambda *a: clips.append(1) or clip_grad_norm(*a)):
             fit(model, data, objective=Poisoned(), optimizer=optimizer, accumulation=Accumulation(1), max_steps=8,
-                max_grad_norm=0.05, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"))
+                max_grad_norm=0.05, telemetry=telemetry, scheduler=schedule, engine=Engine("cuda"), compile=strategy)
         assert all(type(r["lr"]) is float for r in rows)
         return [(r["loss"], r["grad_norm"], r["skipped_steps"]) for r in rows]
 
