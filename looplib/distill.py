@@ -133,9 +133,8 @@ class Distill(TokenCrossEntropy):
     # ------------------------------------------------------------------ the loss
     def __call__(self, model, batch) -> torch.Tensor:
         if self.teacher is None:
-            raise ConfigError("loss", "loss=distill's teacher is not placed: attach(model, engine) was not called "
-                              "(python -m looplib.plan does not count a teacher yet)", "call objective.attach(model) "
-                              "before training (looplib's runs do it); plan the student with loss=lm_chunked")
+            raise ConfigError("loss", "loss=distill's teacher is not placed: attach(model, engine) was not called",
+                              "call objective.attach(model) before training (looplib's runs do it)")
         training = torch.is_grad_enabled()  # (autograd runs the Function's forward with grad mode off)
         with torch.no_grad():
             taught = self.teacher(batch["input_ids"], hidden_only=True, **self.inputs(self.teacher, batch))

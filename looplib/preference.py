@@ -199,12 +199,12 @@ class DPO(Reference, Preference):
         (``precomputed``: neither; ``prepare`` then runs the model once). Its identity is the
         digest of the starting weights (``looplib.reference.weights_digest``)."""
         from .reference import weights_digest
-        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
-            # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
+        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True) \
+                and not getattr(engine, "passes_before_training", False):  # FSDP2 reshards after them; ZeRO-3: untested
             raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
                               f"which looplib does not do yet under +engine={getattr(engine, 'label', '?')} (it "
-                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local or "
-                              "DDP engine")
+                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local, "
+                              "DDP or FSDP engine")
         self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
         self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
         if self.mode == "precomputed":

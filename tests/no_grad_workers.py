@@ -18,11 +18,20 @@ from looplib.schedule import WarmupCosine
 STEPS = 2
 
 
-def evaluation(model, engine, precision):
+def evaluation(model, engine, precision, objective=None):
     """looplib.evaluation.evaluate (inference mode, eval mode): as an evaluation before step 1."""
     from looplib.evaluation import evaluate
     batches = held_out(W.Masked(random_tokens(21, seed=3)), 15, batch_size=4, rank=engine.rank, world=engine.world_size)
-    evaluate(model, batches, TokenCrossEntropy(), precision, engine)
+    return evaluate(model, batches, objective or TokenCrossEntropy(), precision, engine)
+
+
+def chunked_evaluation(model, engine, precision):
+    """The same with loss=lm_chunked, which reads the head's weight after the forward (then resharded):
+    the same held-out loss as loss=lm's."""
+    from looplib.loss import ChunkedTokenCrossEntropy
+    chunked = evaluation(model, engine, precision, ChunkedTokenCrossEntropy(chunk_size=7))
+    plain = evaluation(model, engine, precision)
+    assert abs(chunked - plain) <= 1e-5 * abs(plain), (chunked, plain)
 
 
 def rollouts(model, engine, precision):
@@ -42,7 +51,8 @@ def no_grad(model, engine, precision):
     model.train()
 
 
-PASSES = {"none": None, "evaluation": evaluation, "rollouts": rollouts, "no_grad": no_grad}
+PASSES = {"none": None, "evaluation": evaluation, "chunked_evaluation": chunked_evaluation, "rollouts": rollouts,
+          "no_grad": no_grad}
 
 
 def trained(engine_kwargs: dict, before) -> dict:

@@ -85,6 +85,7 @@ class FSDP(Distributed):
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
     checkpoint_format = "dcp"
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
+    passes_before_training = True  # a forward without gradients before training leaves the shards as they were
 
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,

@@ -25,3 +25,42 @@ def test_a_forward_without_gradients_before_training_changes_nothing(tmp_path):
     # the two steps moved the weights (the root's too): a pass that froze them would show
     start = W.tiny_gpt().state_dict()
     assert all(not torch.equal(got["none/True"][k], start[k]) for k in ("tok_emb.weight", "ln_f.weight"))
+
+
+def test_dpo_precomputed_under_fsdp_equals_its_cache_read_and_one_process(tmp_path):
+    """loss.reference=precomputed under +engine=fsdp: the pass over every pair before training (the
+    sharded model in eval mode, without gradients) leaves training as a run that reads the pass's
+    cache and runs no forward before it (bit for bit), and as one process of twice the batch with the
+    live frozen copy (to the engines' tolerance)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+    from test_engines_ddp import LOSS_RTOL, WEIGHT_ATOL, torchrun
+    from test_preference import TINY, write_pairs
+
+    import pytest
+
+    job = ["data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", *TINY, "max_steps=3", "eval_every=3",
+           "+optim=sgd", "optim.momentum=0", "lr=0.05"]
+    job = [a for a in job if not a.startswith("batch_size=")]
+    runs = {}
+    for name in ("computed", "read"):
+        r = torchrun("+engine=fsdp", *job, "loss.reference=precomputed", "batch_size=2",
+                     f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        runs[name] = r.stdout + r.stderr
+    assert "computed in" in runs["computed"] and "read from" in runs["read"]
+    one = run_cli(*job, "batch_size=4", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    computed, read, live = (load_file(tmp_path / run / "model.safetensors") for run in ("computed", "read", "one"))
+    assert computed.keys() == read.keys() == live.keys()
+    assert all(torch.equal(computed[k], read[k]) for k in computed)
+    for k in live:
+        torch.testing.assert_close(computed[k], live[k], atol=WEIGHT_ATOL, rtol=0)
+    rows = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    pairs = [(a, b) for a, b in zip(rows("computed"), rows("one")) if "loss" in b]
+    assert len(pairs) == 3 and pairs[-1][1]["loss"] != pytest.approx(pairs[0][1]["loss"])  # the policy moved
+    for a, b in pairs:
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=1e-6)
