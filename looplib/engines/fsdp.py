@@ -182,6 +182,24 @@ class FSDP(Distributed):
                  "; shards offloaded to the CPU" if self.offload == "cpu" else "")
         return model
 
+    def place_frozen(self, module: nn.Module, cast: bool = True) -> nn.Module:
+        """A frozen model beside the trained one (DPO's reference copy, a distillation teacher):
+        sharded with the same units and mesh, computing in the policy's precision (``cast=False``:
+        in its own dtype), every unit resharded after its forward (there is no backward), no
+        gradients, in eval mode. Every rank runs its forward in lockstep, as the policy's."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        module.requires_grad_(False).eval()
+        args = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)),
+                    mp_policy=(self.mp_policy or self.policy(Precision())) if cast else MixedPrecisionPolicy(),
+                    reshard_after_forward=True)
+        for _, unit in self.finder.chosen(module):
+            fully_shard(unit, **args)
+        fully_shard(module, **args)
+        resharded_outside_training(module)
+        return module
+
     def precision_for(self, precision):
         if hasattr(precision, "sharded"):  # fp8: its weights may be gathered in fp8 (precision.fsdp_all_gather)
             precision.sharded = True
