@@ -27,7 +27,7 @@ def test_a_forward_without_gradients_before_training_changes_nothing(tmp_path):
     assert all(not torch.equal(got["none/True"][k], start[k]) for k in ("tok_emb.weight", "ln_f.weight"))
 
 
-def test_dpo_precomputed_under_fsdp_equals_its_cache_read_and_one_process(tmp_path):
+def test_dpo_precomputed_under_fsdp_equals_its_cache_read_and_one_process(tmp_path, monkeypatch):
     """loss.reference=precomputed under +engine=fsdp: the pass over every pair before training (the
     sharded model in eval mode, without gradients) leaves training as a run that reads the pass's
     cache and runs no forward before it (bit for bit), and as one process of twice the batch with the
@@ -42,6 +42,7 @@ def test_dpo_precomputed_under_fsdp_equals_its_cache_read_and_one_process(tmp_pa
 
     import pytest
 
+    monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path / "cache"))  # the pass's cache: this test's own
     job = ["data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", *TINY, "max_steps=3", "eval_every=3",
            "+optim=sgd", "optim.momentum=0", "lr=0.05"]
     job = [a for a in job if not a.startswith("batch_size=")]
@@ -66,7 +67,7 @@ def test_dpo_precomputed_under_fsdp_equals_its_cache_read_and_one_process(tmp_pa
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=1e-6)
 
 
-def test_dpo_frozen_copy_sharded_under_fsdp_trains_as_one_process(tmp_path):
+def test_dpo_frozen_copy_sharded_under_fsdp_trains_as_one_process(tmp_path, monkeypatch):
     """loss=dpo without +peft under +engine=fsdp: the frozen copy, taken before the policy is sharded,
     is sharded as the policy (looplib.engines.fsdp.FSDP.place_frozen); two processes train as one
     process of twice the batch with its whole copy (to the engines' tolerance)."""
@@ -79,6 +80,7 @@ def test_dpo_frozen_copy_sharded_under_fsdp_trains_as_one_process(tmp_path):
     from test_engines_ddp import LOSS_RTOL, WEIGHT_ATOL, torchrun
     from test_preference import TINY, write_pairs
 
+    monkeypatch.setenv("LOOPLIB_CACHE", str(tmp_path / "cache"))  # the pass's cache: this test's own
     job = ["data=preference", f"data.path={write_pairs(tmp_path)}", "loss=dpo", *TINY, "max_steps=3", "eval_every=3",
            "+optim=sgd", "optim.momentum=0", "lr=0.05"]
     job = [a for a in job if not a.startswith("batch_size=")]
