@@ -125,7 +125,10 @@ class Distill(TokenCrossEntropy):
         teacher = self.held()
         same_vocabulary(teacher, model, self.path)
         device = engine.device if engine is not None else next(model.parameters()).device
-        self.teacher = teacher.to(device)
+        if engine is not None and not getattr(engine, "keeps_modules", True):  # FSDP2: sharded as the student,
+            self.teacher = engine.place_frozen(teacher, cast=False)  # its loss.teacher_dtype kept
+        else:
+            self.teacher = teacher.to(device)
         size = sum(t.numel() * t.element_size() for t in self.teacher.state_dict().values())
         log.info("distillation teacher: %s, frozen, %s, on %s (%.1f MB)", self.path or type(teacher).__name__,
                  str(self.dtype).split(".")[-1], device, size / 2**20)
@@ -133,15 +136,15 @@ class Distill(TokenCrossEntropy):
     # ------------------------------------------------------------------ the loss
     def __call__(self, model, batch) -> torch.Tensor:
         if self.teacher is None:
-            raise ConfigError("loss", "loss=distill's teacher is not placed: attach(model, engine) was not called "
-                              "(python -m looplib.plan does not count a teacher yet)", "call objective.attach(model) "
-                              "before training (looplib's runs do it); plan the student with loss=lm_chunked")
+            raise ConfigError("loss", "loss=distill's teacher is not placed: attach(model, engine) was not called",
+                              "call objective.attach(model) before training (looplib's runs do it)")
         training = torch.is_grad_enabled()  # (autograd runs the Function's forward with grad mode off)
         with torch.no_grad():
             taught = self.teacher(batch["input_ids"], hidden_only=True, **self.inputs(self.teacher, batch))
         hidden = model(batch["input_ids"], hidden_only=True, **self.inputs(model, batch))
         head, vocab = output_head(model)
-        theirs, _ = output_head(self.teacher)
+        with torch.no_grad():  # (a sharded teacher's head: gathered whole, without gradients)
+            theirs, _ = output_head(self.teacher)
         total, ce, kd = LinearDistill.apply(
             hidden.flatten(0, -2), head.weight, head.bias, taught.flatten(0, -2), theirs.weight, theirs.bias,
             batch["labels"].flatten(), (vocab, self.ignore_index, self.chunk_size, self.kind, self.temperature,
@@ -169,10 +172,13 @@ class Distill(TokenCrossEntropy):
 
 
 def refuse_sharding(engine) -> None:
-    if engine is not None and not getattr(engine, "keeps_modules", True):
-        raise ConfigError("loss", f"loss=distill keeps a whole teacher beside the student, and +engine="
+    """An engine that shards the student and cannot place the teacher beside it (ZeRO-3: the chunked
+    loss reads the student's whole head outside its forward): refused. FSDP2 shards both."""
+    if engine is not None and not getattr(engine, "keeps_modules", True) \
+            and not callable(getattr(engine, "place_frozen", None)):
+        raise ConfigError("loss", f"loss=distill keeps a teacher beside the student, and +engine="
                           f"{getattr(engine, 'label', type(engine).__name__)} shards the student's weights, which "
-                          "the chunked distillation loss does not read yet", "use the local or DDP engine")
+                          "the chunked distillation loss does not read yet", "use the local, DDP or FSDP engine")
 
 
 def same_vocabulary(teacher: nn.Module, model: nn.Module, path) -> None:

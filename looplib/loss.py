@@ -17,6 +17,8 @@ from __future__ import annotations
 import inspect
 import weakref
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,7 +222,13 @@ def output_head(model) -> tuple[torch.nn.Linear, int]:
     if head.weight.dim() != 2 or head.weight.numel() == 0:  # DeepSpeed ZeRO-3 keeps only a shard outside forward
         raise ConfigError("loss", "the chunked loss needs the whole lm_head weight outside the model's forward, "
                           "and this engine partitions it (ZeRO-3)", "use loss=lm, or engine.stage=2")
-    return head, int(getattr(inner, "vocab_size", head.weight.shape[0]))
+    vocab = int(getattr(inner, "vocab_size", head.weight.shape[0]))
+    if hasattr(head.weight, "full_tensor") and not torch.is_grad_enabled():
+        # FSDP2 reshards the root after a forward without gradients (looplib.engines.fsdp): the
+        # whole weight gathered for this loss alone (in training the root stays gathered until backward)
+        return SimpleNamespace(weight=head.weight.full_tensor(),
+                               bias=None if head.bias is None else head.bias.full_tensor()), vocab
+    return head, vocab
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

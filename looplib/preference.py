@@ -131,12 +131,26 @@ class Reference:
 
     label = "dpo"   # the loss option, for messages
     reference = adapters = None
+    unsharded = None  # the copy taken before an engine shards the model (keep_before_sharding)
+
+    def keep_before_sharding(self, model: torch.nn.Module) -> None:
+        """Before an engine that shards the weights sets the model up (``looplib.run.assembly``):
+        the frozen copy, whole, for ``attach`` to have the engine place (full fine-tuning only)."""
+        if adapters_of(model) is None and getattr(self, "mode", "live") == "live":
+            self.unsharded = copy.deepcopy(model).requires_grad_(False).eval()
 
     def attach(self, model: torch.nn.Module, engine=None) -> None:
         """Take the reference: the adapters' switch of a peft model, or a frozen copy of ``model``."""
         self.adapters = adapters_of(model)
         if self.adapters is not None:
             log.info("%s reference: the model with its LoRA adapters switched off (no second copy)", self.label.upper())
+            return
+        if not getattr(engine, "keeps_modules", True) and self.unsharded is not None \
+                and callable(getattr(engine, "place_frozen", None)):
+            self.reference, self.unsharded = engine.place_frozen(self.unsharded), None  # FSDP2: sharded as the policy
+            size = sum(t.numel() * t.element_size() for t in self.reference.parameters())
+            log.info("%s reference: a frozen copy of the starting weights, sharded (%.1f MB on each process)",
+                     self.label.upper(), size / 2**20)
             return
         if not getattr(engine, "keeps_modules", True):
             raise ConfigError("loss", f"loss={self.label}'s reference for full fine-tuning is a frozen copy of the model, and "
@@ -199,12 +213,12 @@ class DPO(Reference, Preference):
         (``precomputed``: neither; ``prepare`` then runs the model once). Its identity is the
         digest of the starting weights (``looplib.reference.weights_digest``)."""
         from .reference import weights_digest
-        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True):
-            # (under FSDP2 a forward pass before training changed the first update: refused, not yet done)
+        if self.mode == "precomputed" and not getattr(engine, "keeps_modules", True) \
+                and not getattr(engine, "passes_before_training", False):  # FSDP2 reshards after them; ZeRO-3: untested
             raise ConfigError("loss.reference", f"loss.reference=precomputed runs the reference before training, "
                               f"which looplib does not do yet under +engine={getattr(engine, 'label', '?')} (it "
-                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local or "
-                              "DDP engine")
+                              "shards the weights)", "use +peft=lora with loss.reference=live there, or the local, "
+                              "DDP or FSDP engine")
         self.identity = {"mode": self.mode, "weights": weights_digest(model, engine)}
         self.identity["digest"] = self.identity["weights"]  # precomputed: the cache's key (prepare)
         if self.mode == "precomputed":

@@ -17,8 +17,9 @@ batch (``reference_logps``): training runs no reference forward and keeps no sec
 
 Several processes (``+engine=ddp``) share the pass: each computes every ``world``-th micro-batch
 of pairs, the ranks' arrays are summed, rank 0 writes the cache. All ranks run as many forward
-passes (a sharded model's forward is collective), though engines that shard the weights are
-refused for now (``DPO.attach``: under FSDP2 the pass changed the first update).
+passes (a sharded model's forward is collective): under ``+engine=fsdp`` every rank runs the
+sharded model, which is resharded after each pass (``looplib.engines.fsdp``); ZeRO-3 is refused
+for now (``DPO.attach``).
 """
 from __future__ import annotations
 

@@ -85,6 +85,7 @@ class FSDP(Distributed):
     own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
     checkpoint_format = "dcp"
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
+    passes_before_training = True  # a forward without gradients before training leaves the shards as they were
 
     def __init__(self, device: str | torch.device = "auto", blocks: list[str] | None = BLOCKS,
                  block_names: str | None = None, reshard_after_forward: bool = True,
@@ -171,6 +172,7 @@ class FSDP(Distributed):
         # the root's parameters (embeddings, head) are needed first in backward: resharding them
         # after forward would only gather them again at once (torchtitan does the same)
         fully_shard(model, **{**args, "reshard_after_forward": False})
+        resharded_outside_training(model)
         if callable(getattr(model, "generate", None)):  # a wrapper's generate (peft) calls the inner
             register_fsdp_forward_method(model, "generate")  # model directly: gather the root's shards first
         self.units = len(units) + 1
@@ -179,6 +181,24 @@ class FSDP(Distributed):
                  len(units), unit_class, mp_policy.param_dtype or "fp32", mp_policy.reduce_dtype or "fp32",
                  "; shards offloaded to the CPU" if self.offload == "cpu" else "")
         return model
+
+    def place_frozen(self, module: nn.Module, cast: bool = True) -> nn.Module:
+        """A frozen model beside the trained one (DPO's reference copy, a distillation teacher):
+        sharded with the same units and mesh, computing in the policy's precision (``cast=False``:
+        in its own dtype), every unit resharded after its forward (there is no backward), no
+        gradients, in eval mode. Every rank runs its forward in lockstep, as the policy's."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        module.requires_grad_(False).eval()
+        args = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)),
+                    mp_policy=(self.mp_policy or self.policy(Precision())) if cast else MixedPrecisionPolicy(),
+                    reshard_after_forward=True)
+        for _, unit in self.finder.chosen(module):
+            fully_shard(unit, **args)
+        fully_shard(module, **args)
+        resharded_outside_training(module)
+        return module
 
     def precision_for(self, precision):
         if hasattr(precision, "sharded"):  # fp8: its weights may be gathered in fp8 (precision.fsdp_all_gather)
@@ -260,6 +280,44 @@ class FSDP(Distributed):
     def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
         """A checkpoint of the local engine or DDP (whole tensors): every rank keeps its shards."""
         load_full(model, optimizer, weights, optimizer_state)
+
+
+def resharded_outside_training(model: nn.Module) -> None:
+    """Hooks on the root that leave every unit sharded after a forward without gradients.
+
+    In training, each unit is gathered for its forward and resharded by its backward (the root,
+    kept gathered after forward, in backward). A forward without gradients (an evaluation, a
+    DPO reference pass, GRPO's sampling) has no backward: the root, and under
+    ``engine.reshard_after_forward=false`` every block, stayed gathered, and
+    ``model.parameters()`` then yielded the gathered tensors, not the shards. An optimizer built
+    then (a pass before training) stepped on them: the root never trained, its step wrote into
+    freed storage, and the run ended in a segfault. So such a forward reshards every unit (one
+    more gather of the root per forward without gradients).
+
+    The units' gathered tensors are allocated on the first forward; under inference mode they
+    would be inference tensors, which training's gathers then cannot write: a first forward under
+    inference mode (an evaluation before training) gathers and reshards once outside it first."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    first = [True]
+
+    def before(module, args):
+        if first[0]:
+            first[0] = False
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    for unit in units:
+                        unit.unshard()
+                    for unit in units:
+                        unit.reshard()
+
+    def after(module, args, output):
+        if not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()
+
+    model.register_forward_pre_hook(before, prepend=True)  # before FSDP's own (its root's lazy init)
+    model.register_forward_hook(after)  # after FSDP's own post-forward
 
 
 def write_client(path: Path, client: dict) -> None:

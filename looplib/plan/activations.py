@@ -4,6 +4,8 @@ for each activation strategy: none, blocks (recompute), selective (keep matmul a
 outputs, recompute the rest) and offload (to host memory)."""
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -231,8 +233,12 @@ def activation_uses(model: nn.Module, objective, seq_len: int, dtype: torch.dtyp
                     chosen: list[str], keep: Sequence[str]) -> dict[str, ActivationUse]:
     """Every strategy's ``ActivationUse`` on the chosen modules: two meta-device forwards (micro-batch 1 and 2).
     A preference objective's sample is a pair (two sequences): its policy forward is measured (the
-    reference's forward saves nothing for backward)."""
+    reference's forward saves nothing for backward); so is a distillation's student (the teacher's
+    neither: the chunked loss keeps the student's gradients, whose sizes the teacher does not change)."""
     measured = objective
+    if hasattr(objective, "unread"):  # loss=distill: the student stands in for the teacher (on the meta device);
+        measured = copy.copy(objective)  # its forward runs without gradients: nothing of it is saved for backward
+        measured.teacher, measured.tallies = model, {True: None, False: None}
     if getattr(objective, "pairs", False):
         measured = lambda model, batch: objective.logps(model, batch)[0].sum()  # noqa: E731
     runs = [strategy_bytes(measure_saved(model, measured, meta_batch(objective, b, seq_len), dtype, chosen, keep))

@@ -47,6 +47,7 @@ class Plan:
     engine: str = "local"                          # the configured engine (+engine=...)
     reference: int = 0                             # loss=dpo's frozen copy of the weights (full fine-tuning)
     reference_kind: str = ""                       # how loss=dpo keeps its reference ("": no reference)
+    reference_of: str = "DPO reference"            # whose frozen weights (loss=distill: the teacher's)
 
     def fsdp(self, offload: bool = False) -> int:
         """Per rank under FSDP2: fp32 parameters, gradients and optimizer state sharded (the
@@ -150,6 +151,9 @@ def plan_job(settings, precision, factory, checkpointing, objective, peft, make_
     if not isinstance(factory, lo.Adam8bit):
         plan.adam8bit_state = adam8bit_rule(model)
     plan.reference, plan.reference_kind = reference_bytes(objective, model)
+    if hasattr(objective, "unread"):  # loss=distill: the teacher, frozen, beside the student
+        plan.reference, plan.reference_kind = teacher_bytes(objective)
+        plan.reference_of = "distillation teacher"
     if dtype is None:
         plan.act_plain_bf16 = activation_uses(model, objective, seq_len, torch.bfloat16, chosen, ())["none"]
     return plan
@@ -167,6 +171,58 @@ def reference_bytes(objective, model) -> tuple[int, str]:
     if any("lora_" in name for name, _ in model.named_parameters()):
         return 0, "the adapters switched off (no copy)"
     return weight_bytes(model), "a frozen copy of the weights"
+
+
+def teacher_bytes(objective) -> tuple[int, str]:
+    """``loss=distill``'s teacher as the run holds it (``looplib.distill.Distill.take``): every
+    weight and buffer cast to ``loss.teacher_dtype``. A teacher not read yet is counted from its
+    files' headers (safetensors: names, dtypes, shapes; no weight read)."""
+    dtype = objective.dtype
+    if objective.teacher is not None:
+        tensors = held_tensors(objective.teacher)
+    else:
+        tensors = stored_tensors(objective.path)
+    size = sum(n * (torch.empty((), dtype=dtype).element_size() if d.is_floating_point else d.itemsize)
+               for n, d in tensors)
+    return size, f"{objective.path or 'the module given'} in {str(dtype).removeprefix('torch.')}"
+
+
+def stored_tensors(path) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of every tensor of the teacher at ``path`` (``looplib.run.teacher``), from
+    its safetensors files' headers: a transformers directory (or a run's ``hf/`` export), else a
+    finished run's model.safetensors."""
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    where = Path(path).expanduser()
+    exported = next((d for d in (where / "hf", where) if (d / "config.json").is_file()), None)
+    files = sorted(exported.glob("*.safetensors")) if exported is not None else \
+        [f for f in [where / "model.safetensors"] if f.is_file()]
+    if not files:
+        raise ConfigError("loss.teacher", f"the planner counts the teacher from its safetensors files, and {where} "
+                          "holds none (a teacher read from a checkpoint)", "plan with the teacher's exported run "
+                          "(its model.safetensors), or plan the student alone with loss=lm_chunked")
+    from safetensors import safe_open
+    out = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                numel = 1
+                for d in part.get_shape():
+                    numel *= d
+                out.append((numel, SAFETENSORS_DTYPES[part.get_dtype()]))
+    return out
+
+
+def held_tensors(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of every parameter and buffer of ``module``, tied ones once."""
+    return [(t.numel(), t.dtype) for t in [*module.parameters(), *module.buffers()]]
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 
 
 def device_memory(device: torch.device) -> tuple[int, str]:

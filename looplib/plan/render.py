@@ -22,7 +22,7 @@ def render(plan: Plan) -> str:
              row("16-bit copies of matmul weights (autocast)", plan.copies),
              row("gradients", plan.gradients),
              row(f"optimizer state ({plan.optimizer})", plan.optim_state),
-             *([row(f"DPO reference: {plan.reference_kind}", plan.reference)] if plan.reference_kind else []),
+             *([row(f"{plan.reference_of}: {plan.reference_kind}", plan.reference)] if plan.reference_kind else []),
              row(f"static total ({plan.static / max(total, 1):.2f} bytes/param)", plan.static),
              "activations saved for backward (estimate, meta-device run):",
              row("per sample, without checkpointing", plan.act_plain.per_sample),

@@ -185,6 +185,9 @@ def build(parts: Parts, settings: Settings, record: Record, expected: Expected |
     job = Job.of(parts, settings, record)
     job.model_name = name
     job.counts = parameter_counts(model)  # as the user's model defines them, before any engine shards it
+    keep = getattr(job.objective, "keep_before_sharding", None)  # a frozen copy, taken while the weights are whole
+    if keep is not None and not getattr(engine, "keeps_modules", True):
+        keep(model)
     job.model = engine.setup(model)
     attach = getattr(job.objective, "attach", None)  # an objective that keeps the starting model (DPO's reference)
     if attach is not None:  # before a resumed checkpoint is loaded, and before batch_size=auto probes memory

@@ -155,10 +155,10 @@ def test_precomputed_without_prepare_on_other_data_or_a_sharding_engine_is_refus
     with pytest.raises(ConfigError, match="data=preference"):
         objective.prepare(model, other, CPU, Precision(), 2)
 
-    class Sharding(Engine):  # FSDP2, DeepSpeed: a pass before training changed FSDP2's first update
-        keeps_modules, label = False, "fsdp"
+    class Sharding(Engine):  # DeepSpeed ZeRO-3 (FSDP2 runs the pass: tests/dist/test_fsdp_no_grad_forward.py)
+        keeps_modules, label = False, "deepspeed"
 
-    with pytest.raises(ConfigError, match="engine=fsdp") as err:
+    with pytest.raises(ConfigError, match="engine=deepspeed") as err:
         DPO(reference="precomputed").attach(model, Sharding("cpu"))
     assert err.value.key == "loss.reference"
 

@@ -203,9 +203,9 @@ def test_refusals():
         objective.check_data(None, gpt())
     assert err.value.key == "loss.teacher" and f"60 tokens, the student {V}:" in str(err.value)
 
-    class Sharding:
-        keeps_modules, label, device = False, "fsdp", torch.device("cpu")
-    with pytest.raises(ConfigError, match="engine=fsdp shards"):
+    class Sharding:  # DeepSpeed ZeRO-3 (FSDP2 places the teacher: tests/dist/test_fsdp_no_grad_forward.py)
+        keeps_modules, label, device = False, "deepspeed", torch.device("cpu")
+    with pytest.raises(ConfigError, match="engine=deepspeed shards"):
         teacher_of(Distill(), gpt()).attach(gpt(), Sharding())
     class Corpus:  # sequences of 40 tokens, and a teacher of 32 positions
         train = [{"input_ids": torch.zeros(40, dtype=torch.long)}]
