@@ -116,7 +116,7 @@ class LostRank(RunEnded, RuntimeError):
 
 class PeerRefused(RunEnded):
     """Another rank of the run refused the job (``rank``; ``refusal``: its line, said there), so this
-    rank stops too, with the refusal's status (``looplib.engines.board``)."""
+    rank stops too, with the refusal's status (``looplib.process.board``)."""
 
     status = EXIT_CONFIG
 

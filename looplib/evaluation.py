@@ -44,7 +44,7 @@ def evaluate(model: nn.Module, batches, objective, precision: Precision, engine:
         with precision.autocast():
             total += objective(model, engine.to_device(batch)).to(wide)
     model.train(was_training)
-    sums = engine.sum_across_ranks(torch.stack([total, torch.tensor(float(items), dtype=wide, device=engine.device)]))
+    sums = engine.ranks.sum(torch.stack([total, torch.tensor(float(items), dtype=wide, device=engine.device)]))
     total, items = sums.tolist()
     return total / max(items, 1)
 
@@ -54,7 +54,7 @@ def metrics_of(objective, engine: Engine) -> dict:
     ``eval_metrics`` that takes ``reduce`` is given the engine's sum across ranks."""
     metrics = objective.eval_metrics
     if "reduce" in inspect.signature(metrics).parameters:
-        return metrics(reduce=engine.sum_across_ranks)
+        return metrics(reduce=engine.ranks.sum)
     return metrics()
 
 

@@ -96,7 +96,9 @@ GROUPS: list[Group] = [
     Group("engine", Engine, lambda settings: Engine(settings.device), "local", True, "engine", "engine", "exact", calls=(
         "`precision_for(precision)` and `check(...)` at assembly, `setup(model)`, `prepare(model, optimizer, "
         "settings)`; in the loop `to_device(batch)`, `accumulating(model, last)`, `global_items(items)`; "
-        "`mean_across_ranks`, `full_weights`/`export_weights`, `close()` ([engines.md](engines.md))")),
+        "`unwrap(model)`, `full_weights` (the store writes the exports), `close()`; it names its collectives (`engine.ranks`: "
+        "`looplib.process.collectives`) and its checkpoint format (`checkpoint_format`: `looplib.store.formats`) "
+        "([engines.md](engines.md))")),
     Group("precision", Precision, made(Precision), "fp32", True, "precision", "precision", "numerics", calls=(
         "`setup(device)` once; per micro-batch `autocast()` (a context for forward and loss) and `backward(loss)`; "
         "per step `unscale(optimizer)` then `step(optimizer, grad_norm)` (`compile.optimizer=true`'s compiled "

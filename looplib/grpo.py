@@ -236,7 +236,7 @@ class Rollouts:
         """Every row done, on every process: their forwards stay in step (FSDP gathers in each one)."""
         if self.engine.world_size == 1:
             return bool(done.all())
-        return int(self.engine.sum_across_ranks((~done).sum())) == 0
+        return int(self.engine.ranks.sum((~done).sum())) == 0
 
     def rollout(self, prompts: dict) -> dict:
         """A batch of prompts -> sequences, labels on the completion tokens (through the first

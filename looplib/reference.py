@@ -69,7 +69,7 @@ def weights_digest(model: torch.nn.Module, engine=None, skip: str = "lora_") -> 
         return h.hexdigest()
     mine = torch.zeros(world, 32, dtype=torch.int64)
     mine[engine.rank] = torch.tensor(list(h.digest()), dtype=torch.int64)
-    every = engine.sum_across_ranks(mine).cpu()
+    every = engine.ranks.sum(mine).cpu()
     return hashlib.sha256(every.to(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -97,7 +97,7 @@ def precompute(objective, model, corpus, engine, precision, batch_size: int) -> 
                     objective.ignore_index, [data_identity(s) for s in splits])
     where = Path(getattr(corpus.train.data, "path", None) or cache_root() / "x").parent / f"reference-{key}"
     found = read(where, splits) if engine.is_main else None
-    found = engine.from_main(found) if engine.world_size > 1 else found
+    found = engine.ranks.from_main(found) if engine.world_size > 1 else found
     if found is not None:
         log.info("DPO reference: the log-probabilities of %s read from %s (computed before)", counted(splits), where)
     else:
@@ -133,7 +133,7 @@ def compute(objective, model, examples, collate, engine, precision, batch_size: 
             k = len(rows)
             out[rows] = torch.stack([logps[:k], logps[k:]], 1).float().cpu()
     if world > 1:
-        out = engine.sum_across_ranks(out).cpu()
+        out = engine.ranks.sum(out).cpu()
     return out.numpy()
 
 

@@ -37,7 +37,7 @@ TARGETS = {"ddp": [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 1)]
 
 
 def launch(engine: str, nproc: int, extra: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    from looplib.engines.launch import free_port
+    from looplib.process.launcher import free_port
     args = [*ENGINES[engine], *JOB, *extra, f"hydra.run.dir={run_dir}"]
     head = ([sys.executable, "-m", "looplib.train"] if nproc == 1 else
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import chart, run_row
 
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 
 DS = ["+engine=deepspeed"]
 ROWS = {

@@ -92,7 +92,7 @@ def run(name: str, steps: int, device: str, out: Path, cap_gib: float | None, sm
         script.write_text(command[2] if command[1] == "-c" else
                           "import runpy, sys; sys.argv = ['looplib.train'] + sys.argv[1:]; "
                           "runpy.run_module('looplib.train', run_name='__main__')")
-        from looplib.engines.launch import free_port
+        from looplib.process.launcher import free_port
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                    str(free_port()), str(script), *command[3:]]
     t0 = time.perf_counter()

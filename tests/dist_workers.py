@@ -15,7 +15,8 @@ from conftest import random_tokens, tiny_gpt
 from looplib.accumulation import Accumulation
 from looplib.data import Epochs, build_loader, held_out
 from looplib.engines import DDP, Engine
-from looplib.engines.launch import free_port
+from looplib.engines.local import write_safetensors
+from looplib.process.launcher import free_port
 from looplib.loop import TrainState, fit
 from looplib.loss import TokenCrossEntropy
 from looplib.optim import AdamW
@@ -56,7 +57,7 @@ class Rows(Telemetry):
 
     def __init__(self, engine):
         super().__init__(log_every=1, enabled=False)
-        self.reduce_loss = engine.mean_across_ranks
+        self.reduce_loss = engine.ranks.mean
         self.losses, self.grad_norms = [], []
 
     def write(self, row):
@@ -166,15 +167,16 @@ def deepspeed_worker(rank: int, world: int, port: int, out: str, stages: list[in
         counts = t1.optimizer_steps, t1.boundaries  # before t2 adds its own hook on the same optimizer
         live = engine.full_weights(p.model)
         export = Path(out) / f"stage{stage}.safetensors"
-        engine.export_weights(p.model, export)
+        if engine.is_main:
+            write_safetensors(live, export)
         ckpt = Path(out) / f"ckpt{stage}"
-        engine.save_checkpoint(ckpt, {"step": state.step, "scheduler": scheduler.state_dict(),
-                                      "epoch": epochs.epoch, "batches_seen": epochs.batches_seen})
+        engine.checkpoints.save(ckpt, "latest", None, {"step": state.step, "scheduler": scheduler.state_dict(),
+                                                       "epoch": epochs.epoch, "batches_seen": epochs.batches_seen})
         _, t2 = train(engine, p.model, p.optimizer, scheduler, precision, p.max_grad_norm, epochs, STEPS + MORE, state)
         continued = engine.full_weights(p.model)
 
         engine2, scheduler2, precision2, p2 = build()  # a fresh process would do the same: build, then load
-        client = engine2.load_checkpoint(ckpt)
+        client = engine2.checkpoints.load(ckpt / "latest")
         scheduler2.load_state_dict(client["scheduler"])
         epochs2 = Epochs(loader(engine2.rank, world), client["epoch"], client["batches_seen"])
         _, t3 = train(engine2, p2.model, p2.optimizer, scheduler2, precision2, p2.max_grad_norm, epochs2,
@@ -229,7 +231,8 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
                          Epochs(loader(rank, world)), STEPS)
     weights = engine.full_weights(p.model)
     export = Path(out) / "fsdp.safetensors"
-    engine.export_weights(p.model, export)
+    if engine.is_main:
+        write_safetensors(weights, export)
     group.foreach_reduce = reduce
     skipped = fp16_overflow_on_one_rank(rank)
     if rank == 0:

@@ -1,7 +1,7 @@
 """A precision that refuses the job on one rank only (a setting only that rank sees): tests of
 refusals under torchrun force the refusing rank with ``+precision._target_=refusing.RefuseOnRank
 +precision.rank=N`` (tests/ on PYTHONPATH)."""
-from looplib.engines.launch import launched_rank
+from looplib.process.launcher import launched_rank
 from looplib.errors import ConfigError
 from looplib.precision import FP32
 

@@ -20,7 +20,7 @@ BATCH_KEYS = ("batch_size", "accum_steps", "global_batch_size")
 def command(overrides: list[str]) -> str:
     """The command line that runs a trial again on its own, on the processes the sweep ran on
     (``torchrun --nproc_per_node 2 -m looplib.train ...`` under torchrun): its global batch."""
-    from looplib.engines.launch import relaunch
+    from looplib.process.launcher import relaunch
     return " ".join([relaunch("looplib.train"), *(shlex.quote(o) for o in overrides)])
 
 
@@ -28,7 +28,7 @@ def geometry(config: DictConfig, searched: list[str]) -> dict:
     """Where this sweep's trials run: the process count, the launcher, and the global batch
     (``batch_size`` x ``accum_steps`` x processes, or ``global_batch_size``; None where the search
     itself varies it or ``batch_size=auto`` chooses it)."""
-    from looplib.engines.launch import launched_world, launcher
+    from looplib.process.launcher import launched_world, launcher
     world, _ = launched_world()
     batch, accum, fixed = (OmegaConf.select(config, k, default=None, throw_on_resolution_failure=False)
                            for k in BATCH_KEYS)

@@ -17,26 +17,26 @@ class Ranks:
     """One process: nothing to hand out. Several: rank 0 decides, the others follow."""
 
     def __init__(self, config: DictConfig):
-        from looplib.engines import launch
-        world, _ = launch.launched_world()
-        self.launch, self.several = launch, world > 1
-        self.rank = launch.launched_rank()
+        from looplib.process import collectives, group, launcher
+        world, _ = launcher.launched_world()
+        self.collectives, self.group, self.several = collectives, group, world > 1
+        self.rank = launcher.launched_rank()
         self.main = self.rank == 0
         self.told = not self.several  # the others know how the sweep ended (or there are none)
         self.in_jobs = False          # rank 0 is inside a batch of jobs the others run too
         if self.several:
             from looplib.engines.local import resolve_device
-            device = launch.process_device(resolve_device(str(OmegaConf.select(config, "device", default="auto"))))
-            launch.init_process_group(device)  # the run's own: every trial's engine finds it started
+            device = launcher.process_device(resolve_device(str(OmegaConf.select(config, "device", default="auto"))))
+            group.init_process_group(device)  # the run's own: every trial's engine finds it started
 
     def hand_out(self, jobs: list[list[str]], first: int) -> None:
         if self.several:
-            self.launch.broadcast_object(("jobs", jobs, first))
+            self.collectives.broadcast_object(("jobs", jobs, first))
 
     def follow(self, launcher) -> None:
         """Launch what rank 0 hands out, until it says the sweep is over (or stopped)."""
         while True:
-            kind, *rest = self.launch.broadcast_object(None)
+            kind, *rest = self.collectives.broadcast_object(None)
             if kind == "jobs":
                 launcher.launch(rest[0], initial_job_idx=rest[1])
                 continue
@@ -64,13 +64,13 @@ class Ranks:
         if self.told:
             return
         self.told = True
-        self.launch.broadcast_object(message)
+        self.collectives.broadcast_object(message)
         self.close()
 
     def close(self) -> None:
         if self.several:
-            self.launch.barrier()
-            self.launch.destroy_process_group()
+            self.collectives.barrier()
+            self.group.destroy_process_group()
 
 
 def status_of(err: BaseException) -> int:

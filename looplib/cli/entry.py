@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..engines import board
-from ..engines.launch import launched_rank, launched_world, strip_launcher_args
+from ..process import this
+from ..process.launcher import launched_rank, launched_world, strip_launcher_args
 from ..errors import EXIT_CONFIG, Interrupted
 from ..store import rundir
 from ..run.endings import refused_line
@@ -104,11 +104,11 @@ def hydra_boundary():
 
 def refuse(line: str) -> None:
     """A refusal before the job: said by the rank that refuses (identical lines from several ranks
-    once: ``looplib.engines.board``), its status in ``LOOPLIB_EXIT_FILE``, exit status 2."""
-    if board.post_refusal(line):
+    once: ``looplib.process.board``), its status in ``LOOPLIB_EXIT_FILE``, exit status 2."""
+    if this().board.post_refusal(line):
         print(line, file=sys.stderr, flush=True)
     rundir.write_exit_status(EXIT_CONFIG, every_rank=True)
-    board.heard()  # the other ranks know why before the launcher stops them
+    this().board.heard()  # the other ranks know why before the launcher stops them
     sys.exit(EXIT_CONFIG)
 
 
@@ -116,7 +116,7 @@ def refuse(line: str) -> None:
 def stopped_before_the_job():
     """Under a launcher, a signal before the job starts (the launcher stopping this rank because
     another one exited) ends in looplib's line, not a silent death: the rank that refused, if one
-    did (``looplib.engines.board``), else the signal. The job's own handler replaces this one."""
+    did (``looplib.process.board``), else the signal. The job's own handler replaces this one."""
     if launched_world()[0] <= 1:
         yield
         return
@@ -130,10 +130,10 @@ def stopped_before_the_job():
     except Interrupted as end:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)  # on its way out: a second signal changes nothing
-        peer = board.refusal()
+        peer = this().board.refusal()
         line = refused_line(peer.rank) if peer is not None else \
             f"looplib: stopped ({end}) before training started; nothing was saved"
-        if board.says(line):
+        if this().board.says(line):
             print(line, file=sys.stderr, flush=True)
         status = (peer or end).status
         rundir.write_exit_status(status)

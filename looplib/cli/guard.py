@@ -14,7 +14,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ..engines import launch
+from ..process.launcher import launched_rank, launched_world, relaunch
+from .resolvers import rank0_dir, resolving_as_rank0
 from ..errors import ConfigError
 from ..store import lock
 from ..store.rundir import check, continued, latest_resumable, results, snapshot
@@ -45,7 +46,7 @@ def as_rank0(config: DictConfig, key: str) -> Path | None:
     try:
         from hydra.core.hydra_config import HydraConfig
         HydraConfig.instance().set_config(config)  # for ${hydra:...} in the path
-        with launch.resolving_as_rank0():
+        with resolving_as_rank0():
             return Path(str(OmegaConf.select(config, key))).absolute()
     except Exception:  # noqa: BLE001
         return None
@@ -85,7 +86,7 @@ def check_resume_target(config: DictConfig) -> None:
         before = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
     except (OSError, ValueError, TypeError):
         before = []
-    command = " ".join([launch.relaunch("looplib.train"), *continued([*before, *task]), f"hydra.run.dir={run}"])
+    command = " ".join([relaunch("looplib.train"), *continued([*before, *task]), f"hydra.run.dir={run}"])
     raise ConfigError("resume", f"resume=auto continues a run in its directory, but none was given (this run "
                       f"would start afresh at step 0); the most recent run with a checkpoint is {run} (step {step})",
                       f"continue it with: {command}")
@@ -96,13 +97,13 @@ def own_scratch(config: DictConfig, key: str) -> None:
     scratch directory of its own, also when the command names the run directory itself
     (``hydra.run.dir=DIR``): two ranks writing (or restoring) one ``.hydra/`` would collide, and
     only rank 0 holds the directory (``looplib.store.lock``). Every rank trains into rank 0's
-    directory (``Engine.shared_run_dir``)."""
-    if launch.launched_rank() == 0 or launch.launched_world()[0] <= 1:
+    directory (``engine.ranks.shared_run_dir``)."""
+    if launched_rank() == 0 or launched_world()[0] <= 1:
         return
     group, name = key.rsplit(".", 1)
     node = OmegaConf.select(config, group)
     with read_write(node), open_dict(node):
-        node[name] = launch.rank0_dir("")  # this rank's scratch directory
+        node[name] = rank0_dir("")  # this rank's scratch directory
 
 
 class RunDirGuard(Callback):
@@ -121,7 +122,7 @@ class RunDirGuard(Callback):
         resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
         try:
             check(path, None if resume is None else str(resume), key)
-            if launch.launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
+            if launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
                 made(path, key)
                 lock.hold(path, key)  # a second run on it is refused here, before Hydra writes a byte
                 self.held = path
@@ -136,7 +137,7 @@ class RunDirGuard(Callback):
         self._check(config, "hydra.run.dir")
         own_scratch(config, "hydra.run.dir")
         path = as_rank0(config, "hydra.run.dir")
-        if path is not None and launch.launched_rank() == 0 and results(path):
+        if path is not None and launched_rank() == 0 and results(path):
             BOUNDARY.held = (path, snapshot(path))  # an existing run, continued: what Hydra rewrites, kept
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
@@ -159,7 +160,7 @@ class RunDirGuard(Callback):
         in one line naming the job's directory, and the live run's files stay as they were."""
         from hydra.core.hydra_config import HydraConfig
         hydra = HydraConfig.get()
-        if hydra.mode != RunMode.MULTIRUN or launch.launched_rank() != 0 or self.job_held is not None:
+        if hydra.mode != RunMode.MULTIRUN or launched_rank() != 0 or self.job_held is not None:
             return
         path = Path(str(hydra.runtime.output_dir)).absolute()
         try:

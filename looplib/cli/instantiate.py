@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .. import groups
-from ..engines.launch import launched_world
+from ..process.launcher import launched_world
 from ..errors import ConfigError, RunEnded, disk_full
 from ..loggers import Logger, Loggers
 from ..run import launcher

@@ -16,8 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ..engines import board
-from ..engines.launch import relaunch
+from ..process import this
+from ..process.launcher import relaunch
 from ..data import identity
 from ..errors import ConfigError, Interrupted, NothingToDo, PeerRefused, RunEnded
 from ..groups import strategies
@@ -120,7 +120,7 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
             print(end.line, file=sys.stderr, flush=True)
         if isinstance(end, ConfigError):  # the refusing rank, whichever it is (rank 0 may be stopped before it writes)
             rundir.write_exit_status(end.status, every_rank=True)
-            board.heard()  # the other ranks know why before the launcher stops them
+            this().board.heard()  # the other ranks know why before the launcher stops them
         return end.status
     return 0
 

@@ -120,7 +120,7 @@ def reporting(cfg) -> list[Logger]:
     sweep, a single run, Hydra's other sweepers)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ..engines.launch import launched_rank
+    from ..process.launcher import launched_rank
     if not in_sweep() or launched_rank() != 0:
         return []
     sweeper = HydraConfig.get().sweeper

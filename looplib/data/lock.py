@@ -5,7 +5,7 @@ one machine, the nodes of a cluster on a shared file system whose locks reach ev
 for the entry's lock. The first to get it builds; the others wait, with one line saying so, and
 then open what it built. The kernel releases the lock when its holder exits in any way (a crash,
 SIGKILL), so a builder that died blocks nobody: the next one to get the lock finds no entry and
-builds it. A waiting rank stops when another rank of its launch refused (``looplib.engines.board``),
+builds it. A waiting rank stops when another rank of its launch refused (``looplib.process.board``),
 as it would anywhere else: a rank that refuses while it builds keeps the lock until it exits, so
 the ranks waiting for it read its refusal rather than build the same entry to refuse it again.
 A cache where no lock file can be made (read-only) is used unlocked.
@@ -61,7 +61,7 @@ _KEPT: dict[Path, int] = {}   # locks kept by a rank that refused while building
 
 
 def wait(fd: int, what: str) -> None:
-    from ..engines import board
+    from ..process import this
 
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,7 +75,7 @@ def wait(fd: int, what: str) -> None:
                 f"rank {rank}: " if rank is not None else "", what)
     start = time.monotonic()
     while True:
-        refused = board.refusal()
+        refused = this().board.refusal()
         if refused is not None:
             raise refused
         time.sleep(POLL_S)

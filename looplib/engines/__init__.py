@@ -1,4 +1,6 @@
-"""Engines own what a distributed runtime must own: device placement, gradient sync, ranks.
+"""Engines own device placement and gradient sync; they name their collectives (``engine.ranks``,
+``looplib.process.collectives``) and their checkpoint format (``checkpoint_format``,
+``looplib.store.formats``) rather than carry them.
 
 ``Local`` (one process), ``DDP`` (``looplib.engines.ddp``), ``FSDP`` (PyTorch's FSDP2,
 ``looplib.engines.fsdp``) and ``DeepSpeed`` (``looplib.engines.deepspeed``, which imports

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..process.group import start
 from ..schema import Positive
-from . import launch
 from .distributed import Distributed
 
 log = logging.getLogger("looplib")
@@ -38,7 +38,7 @@ class DDP(Distributed):
                              gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
 
     def setup(self, model: nn.Module) -> nn.Module:
-        launch.start(self)
+        start(self)
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         log.info("DDP: %d processes, backend %s, %s each", self.world_size, dist.get_backend(), self.device)

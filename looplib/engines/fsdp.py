@@ -19,10 +19,10 @@ Who does what:
   window's last micro-batch (``set_requires_gradient_sync``); the window's item count is summed
   over ranks as under DDP (FSDP averages gradients over ranks, as DDP does);
 - clipping runs on the sharded gradients: ``clip_grad_norm_`` returns the global norm;
-- checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its own
-  shards, in parallel), and load onto any number of processes, under FSDP or as whole tensors
-  under DDP or the local engine (``looplib.engines.state_dicts``; which changes a resume
-  accepts: ``looplib.store.elastic``);
+- checkpoints are sharded (``checkpoint_format = "dcp"``: torch.distributed.checkpoint, every
+  rank writes its own shards, in parallel; written and read by ``looplib.store.formats.Sharded``),
+  and load onto any number of processes, under FSDP or as whole tensors under DDP or the local
+  engine (``looplib.store.state_dicts``; which changes a resume accepts: ``looplib.store.elastic``);
 - the final weights are gathered into ``model.safetensors`` on rank 0's CPU, one parameter
   at a time from the other ranks' point of view (no rank but 0 ever holds the whole model).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -40,11 +39,9 @@ from torch import nn
 from ..errors import ConfigError
 from ..optim import built_class
 from ..precision import Precision
+from ..process.group import start
 from ..schema import Positive
-from . import launch
 from .distributed import Distributed, class_name
-from .local import Prepared
-from .state_dicts import load_full, load_sharded, save_sharded, stage_sharded, write_staged
 
 log = logging.getLogger("looplib")
 
@@ -82,8 +79,7 @@ class FSDP(Distributed):
     keeps_modules = False  # parameters become DTensor shards
     shards_4bit = True     # a 4-bit base (+peft=qlora) too: its packed weights in a float dtype (looplib.peft.QLoRA)
 
-    own_checkpoints = True  # sharded: torch.distributed.checkpoint, every rank its own file
-    checkpoint_format = "dcp"
+    checkpoint_format = "dcp"  # sharded: torch.distributed.checkpoint, every rank its own file
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
     passes_before_training = True  # a forward without gradients before training leaves the shards as they were
 
@@ -108,9 +104,7 @@ class FSDP(Distributed):
         except ConfigError as err:  # a bad regular expression: its key is engine.block_names here
             raise ConfigError("engine.block_names", err.problem, err.fix) from None
         self.reshard_after_forward, self.offload, self.reduce_dtype = reshard_after_forward, offload, reduce_dtype
-        self.model = self.optimizer = self.precision = None  # what checkpoints save, once prepared
         self.mp_policy = None  # from the precision, in check (or setup)
-        self.writer_group = None  # checkpoint.async: DCP's collectives on a background thread (gloo)
 
     # ---------------------------------------------------------------- build time
 
@@ -152,7 +146,7 @@ class FSDP(Distributed):
         """Shard every block, then the root, before the optimizer is built (it steps on the shards)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
-        launch.start(self)
+        start(self)
         units = [m for _, m in self.finder.chosen(model)]
         unit_class = type(units[0]).__name__ if units else "-"
         if not units:
@@ -206,12 +200,7 @@ class FSDP(Distributed):
         if hasattr(precision, "scaler_class"):  # fp16: inf/NaN agreed across ranks
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
             precision.scaler_class = ShardedGradScaler
-        self.precision = super().precision_for(precision)
-        return self.precision
-
-    def prepare(self, model: nn.Module, optimizer, settings) -> Prepared:
-        self.model, self.optimizer = model, optimizer
-        return Prepared(model, optimizer, settings.max_grad_norm)
+        return super().precision_for(precision)
 
     def accumulating(self, model: nn.Module, last: bool):
         model.set_requires_gradient_sync(last)  # every unit: reduce-scatter on the window's last only
@@ -232,54 +221,6 @@ class FSDP(Distributed):
             first.setdefault(id(p), name)
             full[name] = full[first[id(p)]]
         return full
-
-    # ---------------------------------------------------------------- sharded checkpoints
-
-    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
-                        tag: str | None = None) -> None:
-        """``directory/tag/``: ``shards/`` (torch.distributed.checkpoint: model and optimizer,
-        every rank its own file, written in parallel) and ``client.pt`` (rank 0: looplib's step,
-        schedule, RNG, data position, loss scale). Every rank calls it."""
-        path = Path(directory) / (tag or "latest")
-        launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
-        save_sharded(self.model, self.optimizer, path / "shards")
-        if self.is_main:
-            write_client(path, {**(client_state or {}), "precision": self.precision.state_dict()})
-        launch.barrier()  # the manifest (rank 0, next) lists every rank's files
-
-    def stage_checkpoint(self, directory: str | Path, client_state: dict, tag: str, stage):
-        """``save_checkpoint`` in two halves (``checkpoint.async``): this rank's shards copied off
-        the device now; the returned function writes them with DCP on a process group of its own
-        (a background thread's collectives never mix with the loop's), and rank 0's ``client.pt``.
-        DCP returns on rank 0 only after every rank's shards and its metadata are written."""
-        path = Path(directory) / tag
-        launch.barrier()  # every rank has cleared the directory (Checkpoints.save) before any writes
-        staged = stage_sharded(self.model, self.optimizer, stage)
-        client = {**client_state, "precision": stage(self.precision.state_dict())} if self.is_main else None
-        if self.writer_group is None:  # made once, by every rank at the same checkpoint
-            from datetime import timedelta
-            self.writer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-        group = self.writer_group
-
-        def write() -> None:
-            write_staged(staged, path / "shards", group)
-            if client is not None:
-                write_client(path, client)
-        return write
-
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote, on this run's number of processes (DCP
-        re-shards the tensors); returns the client state (the data position as it was saved)."""
-        path = Path(directory) / (tag or "latest")
-        load_sharded(self.model, self.optimizer, path / "shards")
-        # checked with the whole checkpoint (its manifest's checksums) before any of it is loaded
-        client = torch.load(path / "client.pt", map_location="cpu", weights_only=True)
-        self.precision.load_state_dict(client.pop("precision"))
-        return client
-
-    def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
-        """A checkpoint of the local engine or DDP (whole tensors): every rank keeps its shards."""
-        load_full(model, optimizer, weights, optimizer_state)
 
 
 def resharded_outside_training(model: nn.Module) -> None:
@@ -318,12 +259,3 @@ def resharded_outside_training(model: nn.Module) -> None:
 
     model.register_forward_pre_hook(before, prepend=True)  # before FSDP's own (its root's lazy init)
     model.register_forward_hook(after)  # after FSDP's own post-forward
-
-
-def write_client(path: Path, client: dict) -> None:
-    """``client.pt``: looplib's step, schedule, RNG, data position and loss scale (rank 0)."""
-    import os
-    with open(path / "client.pt", "wb") as f:
-        torch.save(client, f)
-        f.flush()
-        os.fsync(f.fileno())

@@ -1,23 +1,32 @@
 """The local engine: one process, one device. The base class of every engine.
 
-The loop calls ``to_device``, ``accumulating`` and ``global_items``; the assembly
-(``looplib.run``) calls the rest around it: ``precision_for`` and ``check`` (build time),
-``setup`` (the model), ``prepare`` (the optimizer, once built), ``shared_run_dir``,
-``mean_across_ranks`` (for logged losses), ``export_weights`` and ``close``. Every engine answers
-them all, so no caller branches on which engine it has.
+An engine owns placement and gradient sync. The loop calls ``to_device``, ``accumulating`` and
+``global_items``; the assembly (``looplib.run``) calls the rest around it: ``precision_for`` and
+``check`` (build time), ``setup`` (the model), ``prepare`` (the optimizer, once built),
+``unwrap``, ``full_weights`` and ``close``. Every engine answers them all, so
+no caller branches on which engine it has. What an engine only names:
+
+- ``engine.ranks``: the verbs that talk to the other ranks (mean, sum, any, rank 0's value, one
+  config for all, the shared run directory, a barrier), answered by the process wing
+  (``looplib.process.collectives``; the class: ``collectives``);
+- ``checkpoint_format``: how its checkpoints hold model and optimizer state; the object that
+  writes and reads them is the store wing's (``looplib.store.formats.of(engine)``, kept as
+  ``engine.checkpoints``).
 """
 from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..atomic import as_umask
 from ..errors import ConfigError
+from ..process.collectives import Ranks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,14 +54,15 @@ class Engine:
     """Single process. Subclasses (DDP, DeepSpeed) override the verbs that differ."""
 
     rank, world_size = 0, 1
-    # True: the engine writes and reads the model and optimizer state of a checkpoint itself
-    # (``save_checkpoint`` / ``load_checkpoint``: FSDP's and DeepSpeed's sharded formats)
-    own_checkpoints = False
     # How a checkpoint holds model and optimizer state: ``looplib`` (model.safetensors + the
     # optimizer's state_dict, full tensors), ``dcp`` (torch.distributed.checkpoint shards, FSDP2)
-    # or ``deepspeed`` (DeepSpeed's ZeRO partitions). The local engine, DDP and FSDP read both
-    # looplib's and dcp (looplib.engines.state_dicts); DeepSpeed only its own.
+    # or ``deepspeed`` (DeepSpeed's ZeRO partitions). The object that writes and reads it:
+    # ``checkpoints`` (looplib.store.formats.of(engine) makes it for looplib's and dcp; an engine
+    # with a format of its own sets it itself). The local engine, DDP and FSDP read both
+    # looplib's and dcp (looplib.store.state_dicts); DeepSpeed only its own.
     checkpoint_format = "looplib"
+    checkpoints = None
+    collectives = Ranks  # the class of ``ranks``: one process (looplib.process.collectives)
     several_processes = False  # True: runs as one rank of several under a launcher (DDP, FSDP, DeepSpeed)
     # True: every rank holds the model's modules as they were built (local, DDP); False: the engine
     # shards or re-types parameters (FSDP, DeepSpeed), which a 4-bit base (+peft=qlora) takes only
@@ -74,10 +84,6 @@ class Engine:
     def check(self, settings, precision, optim) -> None:
         """Refuse combinations this engine cannot run, at build time (before any model exists)."""
 
-    def agree(self, config: dict) -> None:
-        """Every rank runs the same job, or none does: compared before anything is built (one
-        process: nothing to compare)."""
-
     def check_evaluation(self, evaluation) -> None:
         """Refuse a held-out evaluation strategy this engine cannot run, at build time."""
 
@@ -89,34 +95,15 @@ class Engine:
         """The user's module inside whatever wrapper the engine put around it."""
         return model
 
-    def shared_run_dir(self, run_dir: Path) -> Path:
-        """The run directory every rank writes to (rank 0's; one process: its own)."""
-        return run_dir
-
-    def from_main(self, obj):
-        """Rank 0's ``obj`` (a small picklable value) on every rank (one process: ``obj``)."""
-        return obj
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Average of a device tensor over ranks (for logged losses; one rank: itself)."""
-        return value
-
-    def sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum of a tensor over ranks, on this engine's device (held-out losses and counts; one
-        rank: itself)."""
-        return value.to(self.device)
+    @cached_property
+    def ranks(self) -> Ranks:
+        """The verbs that talk to the other ranks of this job (``looplib.process.collectives``)."""
+        return self.collectives(self)
 
     def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The user module's whole state dict (keys as ``unwrap(model).state_dict()``'s; tied
         weights share a tensor). Collective: every rank calls it (sharding engines gather)."""
         return {name: t.detach() for name, t in self.unwrap(model).state_dict().items()}
-
-    def export_weights(self, model: nn.Module, path: Path) -> None:
-        """The trained weights as safetensors. Every rank calls it (sharding engines gather in
-        ``full_weights``); the main rank writes."""
-        weights = self.full_weights(model)
-        if self.is_main:
-            write_safetensors(weights, Path(path))
 
     def close(self) -> None:
         """Tear down what ``setup`` started (a process group, ...)."""
@@ -126,47 +113,6 @@ class Engine:
         """The engine's name in messages: the ``+engine=`` option (local, ddp, fsdp, deepspeed)."""
         name = type(self).__name__
         return "local" if name == "Engine" else name.lower()
-
-    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None, tag: str | None = None) -> None:
-        """Write model, optimizer and ``client_state`` into ``directory/tag`` in the engine's own
-        format (engines with ``own_checkpoints`` only; the others' are written by looplib)."""
-        raise NotImplementedError(f"{type(self).__name__} does not write checkpoints of its own")
-
-    def stage_checkpoint(self, directory: str | Path, client_state: dict, tag: str, stage) -> Callable[[], None]:
-        """``save_checkpoint`` in two halves (``checkpoint.async``): copy this rank's part off the
-        device now with ``stage`` (a function of a tree of tensors), and return the function that
-        writes the copy (on a background thread; every rank's part is on disk when it returns on
-        rank 0). Engines with ``own_checkpoints`` only."""
-        raise NotImplementedError(f"{type(self).__name__} does not write checkpoints of its own")
-
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote; return the client state."""
-        raise NotImplementedError(f"{type(self).__name__} does not read checkpoints of its own")
-
-    def load_full_state(self, model: nn.Module, optimizer, weights: Path, optimizer_state: dict) -> None:
-        """Load looplib's own checkpoint files (``weights``: model.safetensors; the optimizer's
-        ``state_dict()``) into the model and optimizer this engine prepared."""
-        from safetensors.torch import load_model
-        load_model(innermost(model), str(weights))
-        optimizer.load_state_dict(optimizer_state)
-
-    def resuming(self, checkpoint: Path, saved_world: int, scratch: Path) -> None:
-        """Told before ``prepare`` which checkpoint the run resumes and how many processes wrote
-        it (DeepSpeed then loads through a universal checkpoint, made in ``scratch``: this run's
-        checkpoint directory, on the file system every rank shares). Nothing to do here."""
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any (preemption is agreed, not guessed)."""
-        return self.any_ranks(flag)[0]
-
-    def any_ranks(self, *flags: bool) -> list[bool]:
-        """``any_rank`` of several flags in one all-reduce."""
-        import torch.distributed as dist
-        if self.world_size == 1 or not dist.is_initialized():
-            return [bool(f) for f in flags]
-        t = torch.tensor([float(f) for f in flags], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
 
     @property
     def is_main(self) -> bool:
@@ -189,9 +135,10 @@ class Engine:
         gradient all-reduce unless ``last`` (the micro-batch that closes the window)."""
         return nullcontext()
 
-    def global_items(self, items: int) -> int:
-        """Loss-bearing items of the window across every rank (one rank: unchanged)."""
-        return items
+    def global_items(self, items: int) -> float:
+        """Loss-bearing items of the window across every rank, per rank: what each rank divides its
+        summed loss by, so that the averaged gradients are the whole window's (one rank: unchanged)."""
+        return self.ranks.items(items)
 
 
 def innermost(model: nn.Module) -> nn.Module:

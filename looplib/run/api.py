@@ -36,7 +36,8 @@ from torch.utils.data import Dataset
 from ..activations import Checkpointing
 from ..compile import Compile
 from ..data import Corpus
-from ..engines import Engine, board
+from ..engines import Engine
+from ..process import this
 from ..errors import ConfigError
 from ..evaluation import Evaluation
 from ..groups import Group, groups
@@ -160,7 +161,7 @@ def train_model(model: nn.Module, dataset: Dataset | Corpus, *, max_steps: int =
                 made.config["model"]["init_from"] = str(init_from)
             return session.run(JobSpec(parts, settings, made, None if init_from is None else str(init_from)))
     except ConfigError:
-        board.heard()  # under torchrun: every rank knows of the refusal before this one's caller exits
+        this().board.heard()  # under torchrun: every rank knows of the refusal before this one's caller exits
         raise
     finally:
         signals.__exit__()

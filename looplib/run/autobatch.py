@@ -90,7 +90,7 @@ def probe(job, reserve_bytes: int = 0) -> Callable[[int], bool]:
             del ballast
             job.precision.load_state_dict(scaler)
             free_memory(model, engine.device)
-        return not engine.any_rank(not ok)
+        return not engine.ranks.any(not ok)
 
     return fits
 

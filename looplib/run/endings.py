@@ -8,8 +8,8 @@ import logging
 import shlex
 from pathlib import Path
 
-from ..engines import board
-from ..engines.launch import launched_rank, lost_rank_line
+from ..process import this
+from ..process.launcher import launched_rank, lost_rank_line
 from ..errors import (ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, NumericError, PeerRefused, RunEnded,
                       SaveError, disk_full)
 from .assembly import Record
@@ -37,14 +37,14 @@ def as_ending(err: BaseException, run_dir: Path | None) -> RunEnded | None:
 
 def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path | None) -> str:
     """The one line the command line says for ``end``. A refusal is said by the rank that refuses
-    (posted on the launch's board, ``looplib.engines.board``: the others then say they stopped
+    (posted on the launch's board, ``looplib.process.board``: the others then say they stopped
     because of it; identical lines from several ranks said once); any other ending by rank 0."""
     if isinstance(end, ConfigError):
         line = f"looplib: error: {end}"
-        return line if board.post_refusal(line) else ""
+        return line if this().board.post_refusal(line) else ""
     if isinstance(end, PeerRefused):
         line = refused_line(end.rank)
-        return line if board.says(line) else ""
+        return line if this().board.says(line) else ""
     if launched_rank() != 0:
         return ""
     if isinstance(end, NothingToDo):

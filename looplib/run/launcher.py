@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from ..engines.launch import launched_rank, launched_world
+from ..process.launcher import launched_rank, launched_world
 from ..errors import ConfigError
 
 log = logging.getLogger("looplib")

@@ -18,7 +18,7 @@ flags) exactly once, and the ending is one exception, ``looplib.errors.RunEnded`
 ``status`` is the command line's exit status and whose ``line`` is what it says (set here, once,
 for every kind of ending: a refused setting, too many non-finite steps, a failed save, a lost
 rank, a signal; the lines: ``looplib.run.endings``). A refusal is said by the rank that refuses,
-whatever its rank, and the other ranks say they stopped because of it (``looplib.engines.board``).
+whatever its rank, and the other ranks say they stopped because of it (``looplib.process.board``).
 A run refused or stopped before it trained leaves nothing behind in a run directory that held
 nothing before it.
 """
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..engines import board
 from ..data.identity import Expected
+from ..process import this
 from ..errors import ConfigError, DiskFull, Interrupted, LostRank, NothingToDo, PeerRefused, RunEnded
 from ..peft import FullModel
 from .assembly import Job, JobSpec, Recipe, Trained, build, check as check_parts
@@ -71,7 +71,7 @@ class Session:
         finally:
             for path in self.held:
                 release(path)
-            board.job_done()
+            this().board.job_done()
         return False
 
     def run(self, spec: JobSpec) -> Trained:
@@ -94,14 +94,14 @@ class Session:
         """The checks between strategies that need no data and no model; then every rank agrees
         that it runs the same job (several processes: the same job on every rank, or none)."""
         check_parts(spec.parts, spec.settings)
-        spec.parts.engine.agree(spec.record.config)
+        spec.parts.engine.ranks.agree(spec.record.config)
 
     def claim(self, spec: JobSpec) -> None:
         """The run directory every rank shares (rank 0's: one directory per run, not per rank),
         held for this run alone before anything is written."""
         engine = spec.parts.engine
         if self.run_dir is not None:
-            common = engine.shared_run_dir(self.run_dir)
+            common = engine.ranks.shared_run_dir(self.run_dir)
             if common != self.run_dir:
                 forget(self.run_dir, fresh=True)  # this rank's scratch directory
                 self.run_dir, self.fresh = common, self.fresh and not results(common)
@@ -141,7 +141,7 @@ class Session:
         if self.closed:
             return  # raised by close (a signal's stop at a step boundary, saved): the ending as it is
         # another rank refused the job: whatever stopped this one (torchrun's SIGTERM, a lost peer) follows from it
-        end = (None if isinstance(err, ConfigError) else board.refusal()) or \
+        end = (None if isinstance(err, ConfigError) else this().board.refusal()) or \
             (err if isinstance(err, RunEnded) else as_ending(err, run_dir))
         if end is None:
             return
@@ -179,7 +179,7 @@ def assemble(spec: JobSpec) -> Job:
     """Check, build the expensive parts, build the job: a run ready to train (what a session
     trains; a tool that probes a job without training it calls this alone)."""
     check_parts(spec.parts, spec.settings)
-    spec.parts.engine.agree(spec.record.config)
+    spec.parts.engine.ranks.agree(spec.record.config)
     build_expensive(spec)
     return build(spec.parts, spec.settings, spec.record)
 
@@ -194,7 +194,7 @@ def hold_for_ranks(engine, run_dir: Path, key: str) -> list[Path]:
             hold(run_dir, key)
         except DirectoryHeld as err:
             refusal = (err.key, err.problem, err.fix, isinstance(err, NotALock))
-    refusal = engine.from_main(refusal)
+    refusal = engine.ranks.from_main(refusal)
     if refusal is not None:
         raise (NotALock if refusal[3] else DirectoryHeld)(*refusal[:3])
     return [run_dir] if engine.is_main else []

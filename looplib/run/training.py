@@ -15,7 +15,7 @@ from ..accumulation import Accumulation
 from ..atomic import write_atomic
 from ..data import Epochs, build_loader, held_out as held_out_batches, identity
 from ..data.loading import small_data
-from ..engines.launch import launcher
+from ..process.launcher import launcher
 from ..errors import EXIT_INTERRUPTED
 from ..loggers import JsonLines, Run, logged_steps
 from ..loop import fit
@@ -100,11 +100,11 @@ def train(job: Job, run_dir: Path | None, signals: Signals | None = None, metric
                                   job.record.name or (run_dir or Path.cwd()).name, job.record.group,
                                   state.step, logged if state.step else {}))
     telemetry.resumed_from = state.step or None
-    telemetry.reduce_loss = engine.mean_across_ranks  # logged losses: the mean over every rank
+    telemetry.reduce_loss = engine.ranks.mean  # logged losses: the mean over every rank
     telemetry.items = getattr(job.objective, "items", "tokens")  # tokens/s, or sequences/s (a user's own objective)
     if hasattr(job.objective, "train_metrics"):  # e.g. DPO's rewards, summed over every rank (a collective)
         job.objective.train_metrics()  # this rank's tally so far dropped (batch_size=auto's probes: not training)
-        telemetry.objective_metrics = lambda: job.objective.train_metrics(reduce=engine.sum_across_ranks)
+        telemetry.objective_metrics = lambda: job.objective.train_metrics(reduce=engine.ranks.sum)
     telemetry.compiled = job.compile.report  # compile_s so far on every row: recompiles show where they happen
     dropout = max((m.p for m in job.model.modules() if isinstance(m, torch.nn.Dropout)), default=0.0)
     telemetry.about = {"dropout": dropout} if dropout else {}  # its masks change with the micro-batch (looplib.tune)

@@ -7,6 +7,8 @@ geometry, a finished run's exports, and weights read from a finished run.
     saving         ``Checkpoints``: when and what to save, atomically; the bad-step rule
     background     checkpoint writes in the background (checkpoint.async)
     checkpoint_dir what a checkpoint directory holds, and the one check it passes before it is read
+    formats        how a checkpoint holds model and optimizer state (whole tensors, DCP shards), named by the engine
+    state_dicts    either torch form loaded by any torch engine on any number of processes
     resume         which checkpoint a run continues from, which config changes it accepts, the restore
     elastic        the geometry a checkpoint was saved on, and resuming on another
     export         a run's final exports (model.safetensors, adapter/, hf/), as its peft strategy declares

@@ -9,7 +9,7 @@ state is copied off the device; a thread writes the copy while training goes on.
                              run holds one more copy of its checkpointed state in host memory.
     write (a thread)         the same files as a synchronous checkpoint, from the copy, manifest
                              last (``looplib.store.saving``); FSDP's shards through DCP on a process
-                             group of their own (``looplib.engines.fsdp``).
+                             group of their own (``looplib.store.formats.Sharded``).
 
 At most one write is in flight: the next checkpoint, the end of the run and a stop by signal
 wait for it (``Background.wait``); a failed write is kept and reported at the next step

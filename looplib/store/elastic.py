@@ -12,7 +12,7 @@ processes (torchrun restarting on the nodes that are left, a job given fewer or 
 - continues at the same sample of the same permutation (``looplib.data.Epochs.restore``), with
   the same RNG state, schedule and step;
 - may switch between the local engine, DDP and FSDP2 (their checkpoints load into each other:
-  ``looplib.engines.state_dicts``); DeepSpeed's ZeRO partitions load only into DeepSpeed (on
+  ``looplib.store.state_dicts``); DeepSpeed's ZeRO partitions load only into DeepSpeed (on
   another number of processes through its universal checkpoint);
 - says in one line what changed. A global batch the new processes cannot split is refused
   (``ConfigError``) naming the process counts that can, before the data, model or engine exist.

@@ -25,10 +25,10 @@ from ..data import identity
 from ..errors import ConfigError, NothingToDo
 from ..schema import same_target
 from ..train_state import TrainState
-from ..engines.state_dicts import load_sharded
 from . import elastic
-from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, inspect_checkpoint, load_state,
-                             set_rng_state, step_dirs, unwrap)
+from .checkpoint_dir import (InvalidCheckpoint, check_weights, find_checkpoint, inspect_checkpoint, set_rng_state,
+                             step_dirs, unwrap)
+from .formats import of as format_of
 from .rundir import EXPORTS, exported
 from .saving import Checkpoints
 from ..run.settings import NOT_ARGUMENTS
@@ -154,7 +154,7 @@ def plan(engine, settings, record, run_dir: Path | None, export: bool = False) -
     finishing = check_steps(path, checked["step"], settings.max_steps, run_dir, export)
     if settings.batch_size != "auto":
         elastic.check_epoch_end(checked["meta"], now, settings.max_steps)
-    engine.resuming(path, saved.world_size, (run_dir or path.parent) / "checkpoints")
+    format_of(engine).resuming(path, saved.world_size, (run_dir or path.parent) / "checkpoints")
     return Resumed(path, checked, saved, finishing)
 
 
@@ -209,7 +209,7 @@ def find(checkpoints: Checkpoints, where: Path, found: dict | None = None) -> Pa
 def model_to_check(checkpoints: Checkpoints):
     """The model whose names and shapes a checkpoint's weights are checked against (whole tensors
     only: an FSDP model's are shards, checked by torch when they load)."""
-    return checkpoints.parts.get("model") if checkpoints.engine.checkpoint_format == "looplib" else None
+    return checkpoints.parts.get("model") if checkpoints.io.name == "looplib" else None
 
 
 def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict | None = None) -> list[str]:
@@ -227,16 +227,9 @@ def load(checkpoints: Checkpoints, path: Path, state: TrainState, checked: dict 
                           "resume from another checkpoint, or use resume=auto to take the newest valid one") from None
     p, engine = checkpoints.parts, checkpoints.engine
     saved = elastic.saved_geometry(path, checked["meta"], checked["config"], engine.world_size)
-    if saved.format == "deepspeed":  # DeepSpeed only (elastic.check_engine)
-        blob = engine.load_checkpoint(path.parent, tag=path.name)
-    elif saved.format == "dcp":  # FSDP's shards, into FSDP on any number of processes, DDP or one process
-        load_sharded(p["model"], p["optimizer"], path / "shards")
-        blob = load_state(path / "client.pt")
-        p["precision"].load_state_dict(blob.pop("precision"))
-    else:
-        blob = checked["state"]
-        engine.load_full_state(p["model"], p["optimizer"], path / "model.safetensors", blob["optimizer"])
-        p["precision"].load_state_dict(blob["precision"])
+    # model, optimizer and loss scale in the checkpoint's format, by the engine's (looplib.store.formats:
+    # whole tensors or DCP shards into the local engine, DDP or FSDP; DeepSpeed's only into DeepSpeed)
+    blob = checkpoints.io.load(path, p, saved.format, checked["state"])
     p["scheduler"].load_state_dict(blob["scheduler"])
     set_rng_state(blob["rng"])
     pos, epochs = blob["position"], p["epochs"]

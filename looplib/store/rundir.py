@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from ..atomic import write_atomic
-from ..engines import launch
+from ..process.launcher import launched_rank
 from ..errors import ConfigError
 from .checkpoint_dir import step_dirs
 from .lock import LOCK_NAME, DirectoryHeld, held_by
@@ -84,7 +84,7 @@ def write_exit_status(status: int, every_rank: bool = False) -> None:
     ``every_rank``: a refusal, written by the rank that refuses whatever its rank (the launcher may
     stop rank 0 before it writes; rank 0 then writes the same status, learnt from the board)."""
     path = os.environ.get("LOOPLIB_EXIT_FILE")
-    if path and (every_rank or launch.launched_rank() == 0):
+    if path and (every_rank or launched_rank() == 0):
         write_atomic(path, f"{status}\n")
 
 

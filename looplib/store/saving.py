@@ -28,6 +28,7 @@ from ..errors import NumericError, SaveError
 from ..train_state import TrainState
 from .background import Background, Stager, hold_for_test
 from .checkpoint_dir import FORMAT, LOCAL_FILES, config_hash, config_text, rng_state, sha256, step_dirs, unwrap
+from .formats import of as format_of
 from ..run.signals import Signals, held
 
 log = logging.getLogger("looplib")
@@ -69,7 +70,7 @@ class Checkpoints:
         """Apply the bad-step rule, save when due or preempted. True: stop the loop now."""
         requested = self.preemption is not None and self.preemption.requested
         if self.background is not None:  # a failed background write is agreed with the stop, in one all-reduce
-            stop, failed = self.engine.any_ranks(requested, self.background.failed)
+            stop, failed = self.engine.ranks.any_of(requested, self.background.failed)
             if failed:
                 self.settle()  # raises SaveError on every rank
         else:
@@ -113,12 +114,17 @@ class Checkpoints:
 
     def any_rank(self, flag: bool) -> bool:
         """The stop decision is agreed across ranks (one small all-reduce in multi-process runs)."""
-        return self.engine.any_rank(flag)
+        return self.engine.ranks.any(flag)
 
     # ------------------------------------------------------------------ writing
     @property
+    def io(self):
+        """The engine's checkpoint format (``looplib.store.formats``): what writes model and optimizer state."""
+        return format_of(self.engine)
+
+    @property
     def own_format(self) -> bool:
-        return self.engine.own_checkpoints  # FSDP, DeepSpeed: sharded, every rank writes its part
+        return self.io.own_files  # FSDP, DeepSpeed: sharded, every rank writes its part
 
     def save(self, state: TrainState) -> Path | None:
         """Write ``checkpoints/step-N`` (every rank calls this; who writes what is decided here).
@@ -167,15 +173,14 @@ class Checkpoints:
                 "rng": rng_state(), "extra": state.extra}
         stage = self._stage if self.background is not None else None
         if self.own_format:
-            # The engine writes model, optimizer and loss scale in its own format, straight into
-            # the final directory; the manifest written last still decides whether it counts.
+            # The format writes model, optimizer and loss scale itself, straight into the final
+            # directory; the manifest written last still decides whether it counts.
             shutil.rmtree(final, ignore_errors=True)
             if stage is None:
-                self.engine.save_checkpoint(self.root, client_state=blob, tag=final.name)
+                self.io.save(self.root, final.name, p, blob)
                 engine_write = None
             else:  # staged here; its shards written by the thread, every rank's before rank 0's manifest
-                engine_write = self.engine.stage_checkpoint(self.root, client_state=stage(blob), tag=final.name,
-                                                            stage=stage)
+                engine_write = self.io.stage(self.root, final.name, p, stage(blob), stage)
             tmp, model, needs = final, None, None  # needs: the files the engine wrote, listed once written
         else:
             tmp, needs = make_dir_beside(final, f".tmp-{final.name}-"), list(LOCAL_FILES)

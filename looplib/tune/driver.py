@@ -237,7 +237,7 @@ def tuned(job_overrides: list[str], tune: Tune, run_dir: Path, describe: Callabl
 def outcome(job: list[str], tune: Tune, search: Search, device, device_name: str, size: int, memory: str,
             job_plan: JobPlan, stopped: int | None, loads: list[float], host: dict) -> dict:
     """tune.json's content: the settings, the job's plan, every row, the decision and the best command."""
-    from ..engines.launch import relaunch
+    from ..process.launcher import relaunch
     best = search.best()
     best_row = search.row(best) if best else None
     ref = search.timing_reference()

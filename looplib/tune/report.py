@@ -76,7 +76,7 @@ def pays_off_text(steps: float | None) -> str:
 
 def command(job: list[str], overrides: list[str], start: str = "python -m looplib.train") -> str:
     """The command line a user pastes: ``start`` (``python -m looplib.train``, or under torchrun
-    ``torchrun --nproc_per_node N -m looplib.train``: ``looplib.engines.launch.relaunch``) with the overrides."""
+    ``torchrun --nproc_per_node N -m looplib.train``: ``looplib.process.launcher.relaunch``) with the overrides."""
     return " ".join([start, *map(shlex.quote, [*job, *overrides])])
 
 

@@ -27,7 +27,7 @@ class World:
 
     def __init__(self, timeout_s: float = 1800.0):
         import torch.distributed as dist
-        from ..engines.launch import export_torch_env
+        from ..process.launcher import export_torch_env
         export_torch_env()
         store, rank, size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
         self.store, self.rank, self.size = dist.PrefixStore("looplib-tune", store), rank, size
@@ -103,7 +103,7 @@ class World:
 
     def child_env(self) -> dict:
         """The identity of this rank's child, and a fresh port (rank 0's choice) for its group."""
-        from ..engines.launch import free_port
+        from ..process.launcher import free_port
         port = self.broadcast(free_port() if self.rank == 0 else None)
         # the child's rank 0 hosts its own store on the fresh port (under torchrun the agent hosts
         # the tuners' store, and torch would otherwise wait for an agent's store on that port)

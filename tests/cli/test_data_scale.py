@@ -182,7 +182,7 @@ def test_a_cold_cache_is_built_once_under_torchrun(tmp_path):
     """Two ranks asking for the same cold cache at once: one trains the tokenizer and tokenises
     (holding the entry's lock); the other waits and opens the same files."""
     import random
-    from looplib.engines.launch import free_port
+    from looplib.process.launcher import free_port
 
     rng = random.Random(0)
     (tmp_path / "texts").mkdir()
@@ -356,7 +356,7 @@ def test_a_refusal_while_the_data_is_built_reaches_the_waiting_rank(tmp_path):
     """Under torchrun, a refusal that only the tokens decide (too few for one window) is found by
     the rank that builds; the other, waiting for its lock, stops because that rank refused."""
     import re
-    from looplib.engines.launch import free_port
+    from looplib.process.launcher import free_port
 
     (tmp_path / "texts").mkdir()
     for i in range(3):

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from looplib import optim as lo
 from looplib.data import Epochs, PythonSource, RandomTokens, build_loader
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 from looplib.errors import ConfigError
 from looplib.loop import fit
 from looplib.models import GPT

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from conftest import run_cli
-from looplib.engines import launch
+from looplib.cli.resolvers import rank0_dir
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -15,14 +15,14 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 def test_rank0_keeps_the_run_dir_other_ranks_get_scratch(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
-    assert launch.rank0_dir("outputs/x") == "outputs/x"
+    assert rank0_dir("outputs/x") == "outputs/x"
     monkeypatch.setenv("RANK", "1")
-    scratch = Path(launch.rank0_dir("outputs/x"))
+    scratch = Path(rank0_dir("outputs/x"))
     assert scratch.name.startswith("looplib-rank1-") and scratch.is_dir() and "outputs" not in str(scratch)
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_PROCID", "0")
-    assert launch.rank0_dir("outputs/x") == "outputs/x"
+    assert rank0_dir("outputs/x") == "outputs/x"
 
 
 def test_slurm_launcher_config_composes():

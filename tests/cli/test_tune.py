@@ -276,7 +276,7 @@ def test_a_signal_to_one_rank_stops_tune_on_every_rank(tmp_path):
     stop at once (rank 0 hears it from the store), both candidates' process groups are killed,
     rank 0 writes tune.json naming the rank and signal, every rank says one line and exits 75;
     no rank hangs in a collective its peer left, none ends with a traceback."""
-    from looplib.engines.launch import free_port
+    from looplib.process.launcher import free_port
     env = {**os.environ, **ENV, "LOOPLIB_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore", "LOOPLIB_PLOT": "0",
            "LOOPLIB_EXIT_FILE": str(tmp_path / "status")}
     job = [*TINY, "model._target_=fake_oom.SleepyGPT", "+model.sleep_s=0.2", "batch_size=2", "max_steps=10",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
 import warm_ranks
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 from test_engines_ddp import QUICK, rows, torchrun
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "LOOPLIB_PLOT": "0"}

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import dist_workers as W
 from conftest import gpu, run_cli
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 
 # Two ranks sum their halves of each window in a different order than one process does, and
 # the all-reduce averages in fp32: losses agree to float rounding (1e-6 relative). Weights after

@@ -164,7 +164,7 @@ def test_cli_resume_through_deepspeeds_own_checkpoint(tmp_path, stage):
 
 
 def test_deepspeed_launcher_two_processes_match_one(tmp_path):
-    from looplib.engines.launch import free_port
+    from looplib.process.launcher import free_port
     common = [*QUICK, "max_steps=3", "log_every=1"]
     r = run_cli(*common, "batch_size=4", f"hydra.run.dir={tmp_path / 'local'}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

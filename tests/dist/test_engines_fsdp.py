@@ -17,7 +17,7 @@ from conftest import gpu, needs_bnb, run_cli
 import warm_ranks
 from looplib.engines.deepspeed import CPUAdam
 from looplib.engines.fsdp import FSDP as FSDPEngine
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 from looplib.errors import ConfigError
 from looplib.evaluation import Evaluation, HalfWeights
 from looplib.optim import SGD, Adafactor, Adam8bit
@@ -156,7 +156,7 @@ def test_bad_engine_keys_are_refused():
 def test_refusal_is_one_line_and_exit_2_on_every_rank(tmp_path):
     """Both ranks refuse at build time, before any process group (so neither waits for the
     other); each rank that refuses says why in one line (started by hand, with no launcher's store
-    to say it once through: looplib.engines.board)."""
+    to say it once through: looplib.process.board)."""
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "looplib.train", "+engine=fsdp", "data=random", "+optim=adafactor",
                                f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True,

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli
 import warm_ranks
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",
        "eval_samples=4", "sample_tokens=0", "checkpoint.enabled=false", "batch_size=4", "model.n_layer=1",

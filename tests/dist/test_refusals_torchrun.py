@@ -12,7 +12,7 @@ import pytest
 
 from conftest import has_bitsandbytes
 import warm_ranks
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: refusing.py
 JOB = ["data=random", "data.n_train=64", "data.n_eval=8", "max_steps=3", "log_every=1", "eval_every=0",

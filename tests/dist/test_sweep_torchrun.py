@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from looplib.engines.launch import free_port
+from looplib.process.launcher import free_port
 
 optuna = pytest.importorskip("optuna", reason="optuna is not installed (pip install 'looplib[optuna]')")
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -9,6 +9,7 @@ from conftest import random_tokens, tiny_gpt
 from looplib import groups
 from looplib.engines import Engine
 from looplib.errors import ConfigError
+from looplib.process.collectives import Ranks
 from looplib.run.assembly import JobSpec, Parts, Recipe, Record
 from looplib.run.session import Session
 from looplib.run.settings import settings_from
@@ -17,20 +18,26 @@ from looplib.run.api import Datasets
 from looplib.schedule import WarmupCosine
 
 
+class SaidRanks(Ranks):
+    """One process's collectives, saying which the session called (into the engine's list)."""
+
+    def agree(self, config):
+        self.engine.said.append("agree")
+        return super().agree(config)
+
+    def shared_run_dir(self, run_dir):
+        self.engine.said.append("claim")
+        return super().shared_run_dir(run_dir)
+
+
 class Recording(Engine):
-    """The local engine, saying which of its verbs the session called, in order."""
+    """The local engine, saying which of its verbs (and of its collectives') the session called, in order."""
+
+    collectives = SaidRanks
 
     def __init__(self, said: list):
         super().__init__("cpu")
         self.said = said
-
-    def agree(self, config):
-        self.said.append("agree")
-        return super().agree(config)
-
-    def shared_run_dir(self, run_dir):
-        self.said.append("claim")
-        return super().shared_run_dir(run_dir)
 
     def setup(self, model):
         self.said.append("setup")

@@ -14,7 +14,7 @@ import pytest
     ({"WORLD_SIZE": "3"}, "torchrun --nproc_per_node 3 -m looplib.train"),  # a launcher that says only WORLD_SIZE
 ])
 def test_a_printed_command_starts_with_the_launcher_and_its_process_counts(monkeypatch, env, start):
-    from looplib.engines.launch import launcher, relaunch
+    from looplib.process.launcher import launcher, relaunch
     for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_SIZE", "CROSS_RANK",
                 "CROSS_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)

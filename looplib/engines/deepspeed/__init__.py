@@ -21,7 +21,8 @@ Who does what:
   adapters whose verbs call the ``DeepSpeedEngine``;
 - the learning-rate schedule stays looplib's, stepped by the loop once per window.
 
-Where it lives: ``engine`` (the ``DeepSpeed`` engine), ``config`` (the derived config, and
+Where it lives: ``engine`` (the ``DeepSpeed`` engine), ``checkpoints`` (its checkpoint format:
+ZeRO partitions, ``ZeroCheckpoints``), ``config`` (the derived config, and
 ``import_deepspeed``), ``precision`` (the loop's precision, handed the ``DeepSpeedEngine`` by
 ``prepare``), ``optim`` (the loop's optimizer; ``CPUAdam``), ``muon`` (DeepSpeed's own Muon) and
 ``universal`` (a resume on another number of processes). Each module imports its siblings by

@@ -1,12 +1,11 @@
-"""The ``DeepSpeed`` engine: build-time checks, the derived config, ``deepspeed.initialize``, and
-DeepSpeed's own checkpoints (the package's docstring says who does what)."""
+"""The ``DeepSpeed`` engine: build-time checks, the derived config and ``deepspeed.initialize``
+(the package's docstring says who does what; its checkpoints: ``checkpoints.ZeroCheckpoints``)."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -17,14 +16,14 @@ from ...muon import MuonAdamW
 from ...optim import built_class
 from ...precision import Precision
 from ...schema import Positive
-from .. import launch
+from ...process.group import start
 from ..distributed import Distributed, class_name
 from ..local import Prepared
 from . import muon as ds_muon
+from .checkpoints import ZeroCheckpoints
 from .config import DERIVED, OFFLOAD_DEVICES, Offload, import_deepspeed, lookup, merge, precision_sections
 from .optim import CPUAdam, StepHooks
 from .precision import DeepSpeedPrecision
-from .universal import fix_universal_groups, universal
 
 log = logging.getLogger("looplib")
 
@@ -38,8 +37,7 @@ class DeepSpeed(Distributed):
     runs on the CPU, ``+optim=cpu_adam``). config: extra raw DeepSpeed keys, merged last.
     """
 
-    own_checkpoints = True  # DeepSpeed's own format: ZeRO partitions per rank
-    checkpoint_format = "deepspeed"
+    checkpoint_format = "deepspeed"  # DeepSpeed's own: ZeRO partitions per rank (ZeroCheckpoints, set here)
     keeps_modules = False  # ZeRO partitions and re-types parameters
     several_processes = True  # one rank of several (torchrun, deepspeed, SLURM)
 
@@ -54,8 +52,7 @@ class DeepSpeed(Distributed):
         self.steps = None         # the optimizer as the loop sees it (StepHooks), once prepared
         self.chosen = None        # the loop's precision on this engine (DeepSpeedPrecision), from precision_for
         self.derived: dict = {}
-        self._universal = False   # resume through a universal checkpoint (another number of processes)
-        self._scratch = None      # where it is made (resuming)
+        self.checkpoints = ZeroCheckpoints(self)  # its own format: looplib.store.formats takes it as it is
         self.muon = False         # +optim=muon: DeepSpeed's own Muon (ds_muon)
 
     # ---------------------------------------------------------------- build-time checks
@@ -151,14 +148,14 @@ class DeepSpeed(Distributed):
             "zero_allow_untested_optimizer": True,          # the optimizer is built by looplib's optim group
             "steps_per_print": 2**31 - 1,                   # looplib's telemetry reports progress
             **precision_sections(precision),
-            **({"checkpoint": {"load_universal": True}} if self._universal else {}),
+            **({"checkpoint": {"load_universal": True}} if self.checkpoints.universal else {}),
         }
         return merge(derived, self.raw)
 
     # ---------------------------------------------------------------- the engine verbs
 
     def setup(self, model: nn.Module) -> nn.Module:
-        launch.start(self)
+        start(self)
         return model.to(self.device)  # so the optimizer is built on device tensors (fused kernels)
 
     def precision_for(self, precision):
@@ -199,7 +196,7 @@ class DeepSpeed(Distributed):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 
-    # ---------------------------------------------------------------- weights and checkpoints
+    # ---------------------------------------------------------------- weights
 
     def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter whole and in fp32 (the optimizer's master copy under ZeRO and mixed
@@ -213,49 +210,3 @@ class DeepSpeed(Distributed):
         # tied names map to the same tensor, so safetensors stores them once, as save_model does
         return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
                 for name, t in module.state_dict(keep_vars=True).items()}
-
-    def save_checkpoint(self, directory: str | Path, client_state: dict | None = None,
-                        tag: str | None = None) -> None:
-        """DeepSpeed's own checkpoint (model, optimizer partitions, loss scaler) plus
-        ``client_state`` (looplib's: step, schedule, RNG, data position) in ``directory/tag``.
-        Every rank calls it. Nothing of DeepSpeed's is left beside looplib's step directories: no
-        ``latest`` where a ``tag`` is given (looplib's newest complete checkpoint is the one its manifest
-        names; without a tag, ``load_checkpoint`` finds the newest through it) and none of
-        the recovery scripts (``zero_to_fp32.py``, ``zero_to_torch.py``) DeepSpeed copies there:
-        ``looplib.generate`` and the exported weights are the way out of a ZeRO checkpoint."""
-        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {},
-                            save_latest=tag is None)
-        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # rank 0 copies them while it saves
-            (Path(directory) / script).unlink(missing_ok=True)
-
-    def resuming(self, checkpoint: Path, saved_world: int, scratch: Path) -> None:
-        """ZeRO partitions optimizer state (stage 1-3) or parameters (3) over the processes that
-        saved them: on another number of processes they load through DeepSpeed's universal
-        checkpoint (``load_universal`` in the derived config; ``load_checkpoint`` converts into
-        ``scratch``, never beside a checkpoint of another run)."""
-        self._universal = saved_world != self.world_size and any(Path(checkpoint).glob("*zero_pp_rank_*"))
-        self._scratch = Path(scratch)
-
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote (``tag``, or its latest); returns the client state.
-        Saved by another number of processes: through a universal checkpoint made from it first."""
-        if self._universal and self.muon:
-            raise ConfigError("resume", "a DeepSpeed checkpoint of +optim=muon cannot move to another number of "
-                              "processes: DeepSpeed 0.19.8's universal checkpoint (ds_to_universal) looks for Adam's "
-                              "exp_avg and fails on Muon's state", "resume on the number of processes that saved it, "
-                              "or train with +engine=fsdp or ddp (their checkpoints load on any number)")
-        if self._universal:
-            optimizer = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # the torch optimizer ZeRO steps
-            built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-            with universal(Path(directory) / tag, self._scratch or Path(directory), self.is_main,
-                           self.world_size) as (root, name):
-                path, client_state = self.ds.load_checkpoint(str(root), tag=name)
-            fix_universal_groups(optimizer, built, client_state)
-        else:
-            path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
-        if self.muon:  # the load replaced DeepSpeed's param groups: the schedule must set the new ones
-            ds_muon.adopt(self.steps.optimizer, self.ds.optimizer)
-        return client_state
-

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import torch
 
-from .. import launch
-
 log = logging.getLogger("looplib")
 
 
@@ -33,12 +31,12 @@ def fix_universal_groups(optimizer, built: list[dict], client_state: dict | None
 
 
 @contextmanager
-def universal(checkpoint: Path, scratch: Path, main: bool, world: int):
+def universal(checkpoint: Path, scratch: Path, main: bool, world: int, ranks):
     """DeepSpeed's own universal checkpoint of ``checkpoint`` (``deepspeed.checkpoint.ds_to_universal``:
     each parameter's fp32 weights and optimizer state whole, which ZeRO partitions again over any
     number of processes), made by rank 0 in a temporary directory in ``scratch`` (``.tmp-*``: a
     leftover is removed by the next checkpoint's rotation), read by every rank (``(root, tag)``
-    for ``DeepSpeedEngine.load_checkpoint``), removed afterwards."""
+    for ``DeepSpeedEngine.load_checkpoint``; ``ranks``: the engine's collectives), removed afterwards."""
     import argparse
     import io
     import shutil
@@ -65,12 +63,12 @@ def universal(checkpoint: Path, scratch: Path, main: bool, world: int):
         else:
             log.info("DeepSpeed: %s made into a universal checkpoint for %d process(es) (ds_to_universal, %.1f s)",
                      checkpoint.name, world, time.perf_counter() - t0)
-    made, error = launch.broadcast_object((None if made is None else str(made), error))
+    made, error = ranks.from_main((None if made is None else str(made), error))
     try:
         if error:
             raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {checkpoint}: {error}")
         yield Path(made), checkpoint.name
-        launch.barrier()  # every rank has read it
+        ranks.barrier()  # every rank has read it
     finally:
         if main and made is not None:
             shutil.rmtree(made, ignore_errors=True)

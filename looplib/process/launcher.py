@@ -1,4 +1,6 @@
-"""Several processes, one run: who am I (rank, world, local rank), the process group, one run directory.
+"""Several processes, one run: who am I (rank, world, local rank), as the launcher said, and how to
+start the same command again on the same processes. No process group needed (``looplib.process.group``
+starts it).
 
 Launchers say who a process is through the environment: torchrun and the ``deepspeed``
 launcher set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; a SLURM task started
@@ -7,21 +9,14 @@ helper translates. A process started by hand is a world of one on a free local p
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
-import datetime
-import logging
 import os
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from . import board
 
 TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -128,29 +123,6 @@ def process_device(device: torch.device) -> torch.device:
     return device
 
 
-def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
-    """NCCL on CUDA, gloo on the CPU. Once per process: a sweep (-m) reuses it for every job,
-    and it is torn down when the process exits."""
-    if dist.is_initialized():
-        return
-    export_torch_env()
-    board.check_in(timeout_s)  # every rank here, or one refused: said now, not after the launcher's SIGKILL
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
-    atexit.register(destroy_process_group)
-
-
-def destroy_process_group() -> None:
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - at exit, after a lost rank or a launcher's SIGTERM: nothing to report
-        pass
-
-
 # ----------------------------------------------------------------- a rank lost during the run
 
 COLLECTIVE_FAILED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
@@ -202,117 +174,3 @@ def lost_rank_line(err: BaseException) -> str | None:
     return (f"looplib: stopped: {who} of {dist.get_world_size()} was lost (its process ended: killed, out of "
             f"memory, or its node failed), so rank {dist.get_rank()} cannot go on; the last complete checkpoint "
             f"stays ({then})")
-
-
-def start(engine) -> None:
-    """Bring up the process group for ``engine`` and learn its rank and world size."""
-    by_hand = not dist.is_initialized() and not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"))
-    init_process_group(engine.device, engine.timeout_s)
-    engine.rank, engine.world_size = dist.get_rank(), dist.get_world_size()
-    if by_hand:  # a multi-process engine started as a plain command: say so rather than train alone in silence
-        logging.getLogger("looplib").warning(
-            "%s was started without a launcher, so it trains as one process; for several: "
-            "torchrun --nproc_per_node N -m looplib.train ... (or the deepspeed launcher)", type(engine).__name__)
-    if engine.rank != 0:  # one voice: the other ranks only warn
-        logging.getLogger("looplib").setLevel(logging.WARNING)
-
-
-def items_per_rank(items: int, device: torch.device) -> float:
-    """Items of the window summed over ranks, divided by the world size. The gradients are
-    *averaged* over ranks (DDP, DeepSpeed), so dividing each rank's summed loss by this makes
-    the update sum(loss over every rank) / (items over every rank)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return items
-    total = torch.tensor([items], dtype=torch.float64, device=device)
-    dist.all_reduce(total)  # one scalar per window
-    return total.item() / world
-
-
-def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    world = dist.get_world_size()
-    if world == 1:
-        return value
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value / world
-
-
-def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    if dist.get_world_size() == 1:
-        return value
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def flat(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def refuse_disagreement(config: dict) -> None:
-    """Every rank gathers every rank's config; where they differ, every rank refuses alike."""
-    configs = [None] * dist.get_world_size()
-    dist.all_gather_object(configs, flat(config))
-    keys = sorted({k for c in configs for k in c if any(c.get(k) != other.get(k) for other in configs)})
-    if not keys:
-        return
-    shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)!r}" for r, c in enumerate(configs)
-                                           if r == 0 or c.get(k) != configs[0].get(k))
-                      for k in keys[:3]) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
-    raise ConfigError(keys[0], f"the {len(configs)} processes were given different jobs ({shown})",
-                      "give every process the same command and settings (no value read from a per-rank "
-                      "environment variable, no clock-based seed): one run trains one configuration")
-
-
-def broadcast_object(obj):
-    """Rank 0's ``obj`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-# ----------------------------------------------------------------- one run directory per run
-
-def rank0_dir(path: str) -> str:
-    """Hydra resolver ``${looplib.rank0_dir:...}`` for hydra.run.dir and hydra.sweep.dir.
-
-    Under torchrun every rank would resolve ``${now:...}`` itself and make its own timestamped
-    directory (hydra #2070). Rank 0 keeps the real path; every other rank gets a private
-    scratch directory, removed when the process exits, and writes into rank 0's directory once
-    the process group is up (``Engine.shared_run_dir`` broadcasts it).
-    """
-    rank = launched_rank()
-    if rank == 0 or _AS_RANK0:
-        return path
-    scratch = Path(tempfile.gettempdir()) / f"looplib-rank{rank}-{os.getpid()}"
-    if not scratch.exists():
-        scratch.mkdir(parents=True, exist_ok=True)
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return str(scratch)
-
-
-_AS_RANK0 = False
-
-
-@contextlib.contextmanager
-def resolving_as_rank0():
-    """Resolve ``${looplib.rank0_dir:...}`` as rank 0 does (to check rank 0's directory on every rank)."""
-    global _AS_RANK0
-    _AS_RANK0 = True
-    try:
-        yield
-    finally:
-        _AS_RANK0 = False
-
