@@ -16,13 +16,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-RECORD = ".hydra"  # a job's config.yaml, hydra.yaml and overrides.yaml, as Hydra would write them
+SWEEP_RECORD = ("multirun.yaml",)  # what Hydra's sweeper writes into a sweep directory: no result either
 
 from ..engines import launch
 from ..errors import ConfigError
 from ..store import lock
-from ..store.rundir import check, continued, forget, latest_resumable, results
+from ..atomic import write_atomic
+from ..store.rundir import check, forget, latest_resumable, results
 from .entry import refuse as refuse_line
+from .record import OVERRIDES, RECORD
 from .sweep import SWEEPER
 
 
@@ -85,7 +87,7 @@ def check_resume_target(config: DictConfig) -> None:
                           "hydra.run.dir=DIR")
     run, step = found
     try:  # that run's own overrides, then those typed now
-        before = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+        before = [str(o) for o in OmegaConf.load(run / RECORD / OVERRIDES)]
     except (OSError, ValueError, TypeError):
         before = []
     command = " ".join([launch.relaunch("looplib.train"), *continued([*before, *task]), f"hydra.run.dir={run}"])
@@ -108,6 +110,55 @@ def own_scratch(config: DictConfig, key: str) -> None:
         node[name] = launch.rank0_dir("")  # this rank's scratch directory
 
 
+def continued(overrides: list[str]) -> list[str]:
+    """The overrides of a command that continues a run, shell-quoted: ``overrides`` with the last
+    value of each key kept (in the order last given), no run directory, ``resume=auto`` last."""
+    import shlex
+    merged: dict[str, str] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in ("resume", "hydra.run.dir"):
+            merged.pop(key, None)
+            merged[key] = override
+    return [*map(shlex.quote, merged.values()), "resume=auto"]
+
+
+def snapshot(path: Path) -> dict[str, bytes | int]:
+    """What a job is about to rewrite in an existing run directory: the bytes of ``.hydra/*`` and
+    the length of each log file (appended to), so that a refused command can put them back."""
+    held: dict[str, bytes | int] = {}
+    if path.is_dir():
+        for f in sorted((path / RECORD).glob("*")) if (path / RECORD).is_dir() else ():
+            if f.is_file():
+                held[str(f.relative_to(path))] = f.read_bytes()
+        for f in path.glob("*.log"):
+            held[f.name] = f.stat().st_size
+    return held
+
+
+def restore(path: Path, held: dict[str, bytes | int]) -> None:
+    """Undo what a refused command wrote into an existing run directory (``snapshot``'s files
+    byte for byte, logs cut back to their length; files it added removed)."""
+    import os
+    record = path / RECORD
+    for f in sorted(record.glob("*")) if record.is_dir() else ():
+        if str(f.relative_to(path)) not in held and f.is_file():
+            f.unlink()
+    for f in path.glob("*.log"):
+        if f.name not in held:
+            f.unlink()
+    for name, was in held.items():
+        f = path / name
+        if isinstance(was, int):
+            if f.exists() and f.stat().st_size != was:
+                os.truncate(f, was)
+        elif not f.exists() or f.read_bytes() != was:
+            f.parent.mkdir(exist_ok=True)
+            write_atomic(f, was)
+    if record.is_dir() and not any(record.iterdir()) and not any(k.startswith(f"{RECORD}/") for k in held):
+        record.rmdir()
+
+
 def save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """A job's ``.hydra/`` (config.yaml: its config; hydra.yaml: Hydra's node; overrides.yaml: the
     command line's overrides), written by the job in its held directory, as Hydra writes them."""
@@ -117,14 +168,14 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, out / "config.yaml")
     OmegaConf.save(hydra, out / "hydra.yaml")
-    OmegaConf.save(hydra.hydra.overrides.task, out / "overrides.yaml")
+    OmegaConf.save(hydra.hydra.overrides.task, out / OVERRIDES)
 
 
 def forget_sweep(sweep_dir: Path) -> None:
     """A sweep stopped before any job wrote a result leaves no directory behind, where this command
     made it (``looplib.store.lock``: ``made``)."""
     path = Path(sweep_dir).absolute()
-    if lock.made_here(path) and not results(path):
+    if lock.made_here(path) and not results(path, SWEEP_RECORD):
         forget(path, fresh=True)
 
 
@@ -149,7 +200,7 @@ class RunDirGuard(Callback):
             return
         resume = OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False)
         try:
-            check(path, None if resume is None else str(resume), key)
+            check(path, None if resume is None else str(resume), key, SWEEP_RECORD if key == "hydra.sweep.dir" else ())
             if launch.launched_rank() == 0:  # another rank resolves rank 0's ${now:...} a second later
                 fresh = not path.exists()
                 made(path, key)

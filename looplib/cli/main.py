@@ -28,7 +28,7 @@ from ..store.lock import DirectoryHeld
 from ..run.settings import NOT_ARGUMENTS
 from ..run.signals import Signals
 from . import sweep
-from .guard import save_hydra_files
+from .guard import continued, restore, save_hydra_files, snapshot
 from .instantiate import build_loggers, check_config, instantiate, origin
 
 
@@ -96,12 +96,12 @@ def continue_command() -> str:
     """The command that continues this run, ready to paste but for its directory (appended): the
     job's own overrides, then resume=auto and hydra.run.dir=."""
     task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    return " ".join([relaunch("looplib.train"), *rundir.continued(task), "hydra.run.dir="])  # its launcher too
+    return " ".join([relaunch("looplib.train"), *continued(task), "hydra.run.dir="])  # its launcher too
 
 
 def run(cfg: DictConfig, run_dir: Path, signals: Signals, held: dict | None = None) -> int:
     """The job, through the front door; every way it can end becomes one line and an exit status.
-    ``held``: what an existing run's directory held before this job wrote into it (``rundir.snapshot``)."""
+    ``held``: what an existing run's directory held before this job wrote into it (``guard.snapshot``)."""
     fresh = held is None  # held nothing before this run (RunDirGuard refused otherwise)
     try:
         with Session(run_dir, signals, fresh=fresh, key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir") \
@@ -110,7 +110,7 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals, held: dict | None = No
     except RunEnded as end:
         if isinstance(end, (ConfigError, Interrupted, NothingToDo, PeerRefused)) and not signals.training \
                 and held is not None and not isinstance(end, DirectoryHeld):
-            rundir.restore(run_dir, held)  # refused: the run it named is byte for byte as it was
+            restore(run_dir, held)  # refused: the run it named is byte for byte as it was
         if end.line:
             print(end.line, file=sys.stderr, flush=True)
         if isinstance(end, ConfigError):  # the refusing rank, whichever it is (rank 0 may be stopped before it writes)
@@ -124,7 +124,7 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals, held: dict | None = No
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
-    held = rundir.snapshot(run_dir) if rundir.results(run_dir) else None  # a run continued: what is rewritten, kept
+    held = snapshot(run_dir) if rundir.results(run_dir) else None  # a run continued: what is rewritten, kept
     save_hydra_files(run_dir, cfg)  # the directory is held (RunDirGuard): the job's .hydra/, as Hydra would write it
     sweep.no_sample_unless_asked(cfg)
     status = sweep.job(lambda: run(cfg, run_dir, signals, held))  # in a sweep, a crash is a failed trial
