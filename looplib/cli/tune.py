@@ -72,10 +72,19 @@ def split(argv: list[str]) -> Command:
 
 
 def compose(job: list[str]):
-    """The job's config as python -m looplib.train composes it (``looplib.cli.args.settle``: the same
-    forgiving ``+``, the same refusals, here a ``ConfigError``)."""
+    """The job's config as python -m looplib.train composes it: as written where Hydra takes it (each
+    candidate's overrides are looplib's own), else settled first (``looplib.cli.args.settle``: the
+    same forgiving ``+``, the same refusals, here a ``ConfigError``)."""
     from hydra import compose as hydra_compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from .args import Refusal, settle
+    try:
+        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=job)
+    except (HydraException, OmegaConfBaseException):
+        pass
     try:
         job = settle(job)
     except Refusal as refused:
