@@ -234,7 +234,7 @@ def no_option(group: str, option: str, options: list[str], strategy: set[str]) -
     plus = "+" if group in strategy else ""
     close = {o for o in options if o.startswith(option) or option.startswith(o)}  # adam -> adamw, adam8bit
     close |= set(difflib.get_close_matches(option, options, n=3, cutoff=0.6))
-    close = sorted(close, key=lambda o: (not o.startswith(option), -difflib.SequenceMatcher(None, option, o).ratio()))
+    close = sorted(close, key=lambda o: (not o.startswith(option), -difflib.SequenceMatcher(None, option, o).ratio(), o))
     guess = f"did you mean {' or '.join(close[:2])} ({plus}{group}={close[0]})? " if close else ""
     return f"{group}: there is no option '{option}'; {guess}the options are: {', '.join(options)}"
 

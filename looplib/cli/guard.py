@@ -16,16 +16,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-SWEEP_RECORD = ("multirun.yaml",)  # what Hydra's sweeper writes into a sweep directory: no result either
 
 from ..engines import launch
 from ..errors import ConfigError
 from ..store import lock
 from ..atomic import write_atomic
-from ..store.rundir import check, forget, latest_resumable, results
+from ..store.rundir import check, latest_resumable
 from .entry import refuse as refuse_line
 from .record import OVERRIDES, RECORD
-from .sweep import SWEEPER
+from .sweep import SWEEP_RECORD, SWEEPER, forget_sweep
 
 
 def refuse(err: ConfigError) -> None:
@@ -169,14 +168,6 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     OmegaConf.save(cfg, out / "config.yaml")
     OmegaConf.save(hydra, out / "hydra.yaml")
     OmegaConf.save(hydra.hydra.overrides.task, out / OVERRIDES)
-
-
-def forget_sweep(sweep_dir: Path) -> None:
-    """A sweep stopped before any job wrote a result leaves no directory behind, where this command
-    made it (``looplib.store.lock``: ``made``)."""
-    path = Path(sweep_dir).absolute()
-    if lock.made_here(path) and not results(path, SWEEP_RECORD):
-        forget(path, fresh=True)
 
 
 class RunDirGuard(Callback):

@@ -43,6 +43,19 @@ PRUNED = "pruned by the study"  # Signals.stop's reason
 STOPS_THE_SWEEP = (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED)  # bad input, Ctrl-C, preemption
 
 
+SWEEP_RECORD = ("multirun.yaml",)  # what Hydra's sweeper writes into a sweep directory: no result
+
+
+def forget_sweep(sweep_dir: Path) -> None:
+    """A sweep stopped before any job wrote a result leaves no directory behind, where this command
+    made it (``looplib.store.lock``: ``made_here``)."""
+    from ..store import lock
+    from ..store.rundir import forget, results
+    path = Path(sweep_dir).absolute()
+    if lock.made_here(path) and not results(path, SWEEP_RECORD):
+        forget(path, fresh=True)
+
+
 def in_sweep() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -79,8 +92,6 @@ def outcome(cfg, run_dir: Path, status: int, signals: Signals) -> float | None:
     if status and (not sweeping or status in STOPS_THE_SWEEP):
         if sweeping:
             from hydra.core.hydra_config import HydraConfig
-
-            from .guard import forget_sweep
             forget_sweep(Path(str(HydraConfig.get().sweep.dir)))  # stopped before any job wrote a result: no directory
         sys.exit(status)
     metric = cfg.get("sweep", {}).get("metric", "eval_loss")
