@@ -33,9 +33,10 @@ TAKES_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "
                "--package", "-p", "--cfg", "-c"}
 INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # --info [TOPIC]
 OVERRIDE = re.compile(r"^(\+?)([A-Za-z_][\w-]*)(?==)")   # [+]group=...: a plain group (or top-level key)
-# another primary config or search path (its own defaults list decides), or no composition at all
-NOT_CHECKED = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
+# another primary config (its own defaults list decides), or no composition at all
+NOT_CHECKED = {"--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun",
                "--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc"}
+CONFIG_DIR = {"--config-dir", "-cd"}  # a directory of the user's configs added to the search path
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic"
 ABSENT = object()
 
@@ -124,14 +125,15 @@ def settle(args: list[str], config_module: str = "looplib.conf", config_name: st
             if o.is_sweep_override():
                 raise Refusal(several_values(o), args)
     strategy, _ = group_kinds()
+    search = search_path(flags, parsed)
     with initialize_config_module(config_module=config_module, version_base="1.3"):
         repo = GlobalHydra.instance().config_loader()
-        groups = set(all_groups(repo))
+        groups = set(all_groups(repo)) | user_groups(search)
         chosen, swept = [], set()  # the group choices (a sweep's first value), the groups a sweep switches
         for o in parsed:
             if o.key_or_group in groups and not o.is_delete() and o.package is None:
                 values = choices(o)
-                options = repo.get_group_options(o.key_or_group)
+                options = repo.get_group_options(o.key_or_group, config_name=config_name, overrides=search)
                 for value in values:
                     if value not in options:
                         raise Refusal(no_option(o.key_or_group, value, options, strategy), args)
@@ -139,17 +141,52 @@ def settle(args: list[str], config_module: str = "looplib.conf", config_name: st
                     swept.add(o.key_or_group)
                 chosen.append(f"{o.get_key_element()}={values[0]}" if o.is_sweep_override() else o.input_line)
         try:
-            probe = compose(config_name=config_name, overrides=chosen, return_hydra_config=True)
+            probe = compose(config_name=config_name, overrides=chosen + search, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as err:
             raise Refusal(explain(err), args) from err
         settled = [settled_override(o, probe, groups, strategy, swept) for o in parsed]
         try:
             compose(config_name=config_name, overrides=[trial_value(o, s) for o, s in zip(parsed, settled)
-                                                         if trial_value(o, s) is not None],
+                                                         if trial_value(o, s) is not None] + search,
                     return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as err:
             raise Refusal(explain(err), flags + settled) from err
     return flags + settled
+
+
+def search_path(flags: list[str], parsed) -> list[str]:
+    """The search path the command line asks for, as one ``hydra.searchpath`` override for
+    ``hydra.compose`` (``[]``: looplib's own configs only): its own ``hydra.searchpath=[...]``, then
+    ``--config-dir DIR`` (which Hydra's command line adds itself)."""
+    from pathlib import Path
+    paths: list[str] = []
+    for o in parsed:
+        if o.key_or_group == "hydra.searchpath" and isinstance(o.value(), list):
+            paths = [str(p) for p in o.value()]
+    for i, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if name in CONFIG_DIR:
+            value = value or (flags[i + 1] if i + 1 < len(flags) else "")
+            if value:
+                paths.append(f"file://{Path(value).absolute()}")
+    if not paths:
+        return []
+    quoted = ",".join("'" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in paths)
+    return [f"hydra.searchpath=[{quoted}]"]
+
+
+def user_groups(search: list[str]) -> set[str]:
+    """The config groups (folders holding a ``.yaml``) of the ``file://`` directories of the search path."""
+    from pathlib import Path
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    found: set[str] = set()
+    for o in OverridesParser.create().parse_overrides(search):
+        for entry in o.value():
+            if str(entry).startswith("file://"):
+                root = Path(str(entry)[len("file://"):])
+                found |= {str(p.parent.relative_to(root)) for p in root.glob("**/*.yaml") if p.parent != root}
+    return found
 
 
 def all_groups(repo, parent: str = "") -> list[str]:

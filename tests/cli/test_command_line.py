@@ -290,6 +290,13 @@ def test_the_plus_is_decided_by_the_config_not_by_hydras_message():
         "+optim=sgd", "optim.lr=1e-3", "optim.momentum=0.8"]
     assert settle(["-m", "optim=sgd,adamw", "optim.lr=1e-3", "lr=1,2"]) == [
         "-m", "+optim=sgd,adamw", "++optim.lr=1e-3", "lr=1,2"]
+    # a user's config directory: its groups and options are the repository's too (examples/my_research)
+    conf = str(Path(__file__).parents[2] / "examples" / "my_research" / "conf")
+    assert settle(["--config-dir", conf, "optim=lion", "model=gru", "max_step=3"]) == [
+        "--config-dir", conf, "+optim=lion", "model=gru", "+max_step=3"]
+    from looplib.cli.args import Refusal
+    with pytest.raises(Refusal, match=r"^optim: there is no option 'lionn'; did you mean lion \(\+optim=lion\)\? "):
+        settle(["--config-dir", conf, "optim=lionn"])
 
 
 @pytest.mark.parametrize("args,line", [
