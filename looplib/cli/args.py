@@ -139,7 +139,10 @@ def settle(args: list[str], config_module: str = "looplib.conf", config_name: st
                         raise Refusal(no_option(o.key_or_group, value, options, strategy), args)
                 if o.is_sweep_override():
                     swept.add(o.key_or_group)
-                chosen.append(f"{o.get_key_element()}={values[0]}" if o.is_sweep_override() else o.input_line)
+                    if values:  # (interval(...) over a group: its sweeper's to sample)
+                        chosen.append(f"{o.get_key_element()}={values[0]}")
+                else:
+                    chosen.append(o.input_line)
         try:
             probe = compose(config_name=config_name, overrides=chosen + search, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as err:
@@ -208,7 +211,7 @@ def choices(o) -> list[str]:
         values = [o.value()]
     flat = []
     for v in values:
-        flat += [str(x) for x in v] if isinstance(v, list) else [str(v)]
+        flat += [str(x) for x in v if x is not None] if isinstance(v, list) else [] if v is None else [str(v)]
     return flat
 
 
