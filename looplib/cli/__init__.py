@@ -1,11 +1,12 @@
 """The command line: the only part of looplib that imports Hydra or OmegaConf.
 
-    entry        running a ``@hydra.main`` function: arguments normalised, Hydra's refusals as one line
-    args         both spellings of a group (``+precision=bf16``, ``model=x``), Hydra's advice, its refusals explained
+    entry        running a ``@hydra.main`` function: arguments settled first, a refusal as one line
+    args         both spellings of a group, the forgiving ``+``, Hydra's refusals found first (public API only)
     main         ``python -m looplib.train``: the config -> a typed JobSpec -> looplib.run.session.Session
     instantiate  every key checked, group defaults, each group instantiated, trackers built
     resolvers    the ``${looplib.*}`` interpolations of conf/
-    guard        ``RunDirGuard``: the run directory checked before Hydra writes into it
+    guard        ``RunDirGuard``: the run directory checked and held before anything is written; the job's ``.hydra/``
+    record       the job's ``.hydra/`` record: its name, its overrides read back (Hydra-free: looplib.report)
     sweep        what a sweep's job returns to its sweeper; the grid sweep's pre-check; pruning
     plan, tune, generate   ``python -m looplib.plan`` / ``.tune`` / ``.generate``'s command lines
 """
@@ -23,7 +24,7 @@ class BelowWarning(logging.Filter):
 
 
 def run(main, argv: list[str] | None = None) -> None:
-    """``looplib.cli.entry.run``: a ``@hydra.main`` function run on the normalised command line."""
+    """``looplib.cli.entry.run``: a ``@hydra.main`` function run on the settled command line."""
     from .entry import run as run_entry
     run_entry(main, argv)
 

@@ -29,7 +29,7 @@ from ..store.lock import DirectoryHeld
 from ..run.settings import NOT_ARGUMENTS
 from ..run.signals import Signals
 from . import sweep
-from .entry import BOUNDARY
+from .guard import continued, restore, save_hydra_files, snapshot
 from .instantiate import build_loggers, check_config, instantiate, locate, origin
 
 
@@ -101,21 +101,21 @@ def continue_command() -> str:
     """The command that continues this run, ready to paste but for its directory (appended): the
     job's own overrides, then resume=auto and hydra.run.dir=."""
     task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    return " ".join([relaunch("looplib.train"), *rundir.continued(task), "hydra.run.dir="])  # its launcher too
+    return " ".join([relaunch("looplib.train"), *continued(task), "hydra.run.dir="])  # its launcher too
 
 
-def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
-    """The job, through the front door; every way it can end becomes one line and an exit status."""
-    fresh = not rundir.results(run_dir)  # held nothing before this run (RunDirGuard refused otherwise)
+def run(cfg: DictConfig, run_dir: Path, signals: Signals, held: dict | None = None) -> int:
+    """The job, through the front door; every way it can end becomes one line and an exit status.
+    ``held``: what an existing run's directory held before this job wrote into it (``guard.snapshot``)."""
+    fresh = held is None  # held nothing before this run (RunDirGuard refused otherwise)
     try:
         with Session(run_dir, signals, fresh=fresh, key="hydra.sweep.dir" if sweep.in_sweep() else "hydra.run.dir") \
                 as session:
             session.run(job_spec(cfg))
     except RunEnded as end:
-        held = BOUNDARY.held
         if isinstance(end, (ConfigError, Interrupted, NothingToDo, PeerRefused)) and not signals.training \
-                and held is not None and held[0] == run_dir.absolute() and not isinstance(end, DirectoryHeld):
-            rundir.restore(*held)  # refused: the run it named is byte for byte as it was
+                and held is not None and not isinstance(end, DirectoryHeld):
+            restore(run_dir, held)  # refused: the run it named is byte for byte as it was
         if end.line:
             print(end.line, file=sys.stderr, flush=True)
         if isinstance(end, ConfigError):  # the refusing rank, whichever it is (rank 0 may be stopped before it writes)
@@ -129,8 +129,10 @@ def run(cfg: DictConfig, run_dir: Path, signals: Signals) -> int:
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     signals = Signals().__enter__()  # not restored: a late signal (a launcher's) must not kill the exit
+    held = snapshot(run_dir) if rundir.results(run_dir) else None  # a run continued: what is rewritten, kept
+    save_hydra_files(run_dir, cfg)  # the directory is held (RunDirGuard): the job's .hydra/, as Hydra would write it
     sweep.no_sample_unless_asked(cfg)
-    status = sweep.job(lambda: run(cfg, run_dir, signals))  # in a sweep, a crash is a failed trial
+    status = sweep.job(lambda: run(cfg, run_dir, signals, held))  # in a sweep, a crash is a failed trial
     signals.finish()                 # from here on a signal changes nothing
     rundir.write_exit_status(status)
     return sweep.outcome(cfg, run_dir, status, signals)  # the objective for a sweeper; exits on failure

@@ -43,6 +43,19 @@ PRUNED = "pruned by the study"  # Signals.stop's reason
 STOPS_THE_SWEEP = (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED)  # bad input, Ctrl-C, preemption
 
 
+SWEEP_RECORD = ("multirun.yaml",)  # what Hydra's sweeper writes into a sweep directory: no result
+
+
+def forget_sweep(sweep_dir: Path) -> None:
+    """A sweep stopped before any job wrote a result leaves no directory behind, where this command
+    made it (``looplib.store.lock``: ``made_here``)."""
+    from ..store import lock
+    from ..store.rundir import forget, results
+    path = Path(sweep_dir).absolute()
+    if lock.made_here(path) and not results(path, SWEEP_RECORD):
+        forget(path, fresh=True)
+
+
 def in_sweep() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -77,6 +90,9 @@ def outcome(cfg, run_dir: Path, status: int, signals: Signals) -> float | None:
     process as before; in a sweep only a refused setting or a signal does (the rest: NaN)."""
     sweeping = in_sweep()
     if status and (not sweeping or status in STOPS_THE_SWEEP):
+        if sweeping:
+            from hydra.core.hydra_config import HydraConfig
+            forget_sweep(Path(str(HydraConfig.get().sweep.dir)))  # stopped before any job wrote a result: no directory
         sys.exit(status)
     metric = cfg.get("sweep", {}).get("metric", "eval_loss")
     rows = read_rows(run_dir / "metrics.jsonl")
@@ -171,6 +187,23 @@ class TrialReporter(Logger):
             self.study.tell(self.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
 
 
+def grid(overrides) -> list[list[str]]:
+    """The jobs of a grid sweep, as Hydra's basic sweeper makes them: each sweep's values (a later
+    override of a key replaces an earlier one, in its place), every combination, the first key
+    slowest. None at all where an override is not a grid's (``interval(...)``: a sweeper's)."""
+    import itertools
+    lists: dict[str, list[str]] = {}
+    for o in overrides:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            lists[key] = [f"{key}={o.get_value_element_as_str()}"]
+        elif o.is_discrete_sweep():
+            lists[key] = [f"{key}={value}" for value in o.sweep_string_iterator()]
+        else:
+            return []
+    return [list(job) for job in itertools.product(*lists.values())]
+
+
 def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
     """Every job of a grid sweep run by Hydra's basic sweeper and launcher, checked as its run will
     check it (every key, then each strategy built: a missing package is refused here) before the
@@ -178,7 +211,6 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
     stops before any job ran, not after the jobs before it. Hydra composes each batch itself (a
     missing option is found then); these checks are looplib's. The first ``most`` jobs."""
     from hydra import compose
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf, open_dict
@@ -187,8 +219,7 @@ def check_sweep_jobs(config: DictConfig, most: int = 256) -> None:
     from .instantiate import check_config, instantiate
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     task = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
-            for job in batch]
+    jobs = grid(OverridesParser.create().parse_overrides(task))
     for n, job in enumerate(jobs[:most] if len(jobs) > 1 else []):
         try:
             cfg = compose(config_name=OmegaConf.select(config, "hydra.job.config_name"), overrides=job,

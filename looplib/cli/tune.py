@@ -72,21 +72,26 @@ def split(argv: list[str]) -> Command:
 
 
 def compose(job: list[str]):
+    """The job's config as python -m looplib.train composes it: as written where Hydra takes it (each
+    candidate's overrides are looplib's own), else settled first (``looplib.cli.args.settle``: the
+    same forgiving ``+``, the same refusals, here a ``ConfigError``)."""
     from hydra import compose as hydra_compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    from .args import explain, follow_advice
-    for _ in range(2):  # Hydra's "use +key=value" followed once, as python -m looplib.train does
-        try:
-            with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
-                return hydra_compose(config_name="config", overrides=job)
-        except (HydraException, OmegaConfBaseException) as err:
-            advised = follow_advice(str(err), job)
-            if advised is None:
-                key, _, problem = explain(err).partition(": ")
-                raise ConfigError(key, problem, "the job takes the overrides python -m looplib.train takes") from None
-            job = advised
-    return hydra_compose(config_name="config", overrides=job)
+
+    from .args import Refusal, settle
+    try:
+        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=job)
+    except (HydraException, OmegaConfBaseException):
+        pass
+    try:
+        job = settle(job)
+    except Refusal as refused:
+        key, _, problem = refused.line.partition(": ")
+        raise ConfigError(key, problem, "the job takes the overrides python -m looplib.train takes") from None
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=job)
 
 
 def planner(job: list[str], space: Space, world: int):

@@ -4,8 +4,8 @@ A single run's directory gets its loss curve, ``loss.png`` (training and held-ou
 against step); every run that finishes writes it too when matplotlib is installed (set
 ``LOOPLIB_PLOT=0`` to skip it). A sweep gets the table and chart below.
 
-Reads every job directory under a ``python -m looplib.train -m ...`` sweep (the folders
-holding ``.hydra/overrides.yaml``), takes each job's overrides and its final metrics from
+Reads every job directory under a ``python -m looplib.train -m ...`` sweep (the folders holding
+the command line's record of the job's overrides: ``looplib.cli.record``), takes each job's overrides and its final metrics from
 ``metrics.jsonl``, and writes ``report.md`` (a markdown table), ``report.csv`` and
 ``report.png`` (a bar chart of throughput, peak memory and loss per job) into the sweep
 directory, or ``--out``. The overrides every job shares are printed once above the table;
@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cli import record
 from ..errors import EXIT_CONFIG
 from .study import fmt
 from ..run.plots import loss_curve  # noqa: F401 (python -m looplib.report RUN_DIR draws it)
@@ -61,18 +62,6 @@ class Job:
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # loss / eval_loss against step
     memory: str | None = None  # what peak_mem_mb measures, from the job's first row
     launch: tuple = ()         # (processes, launcher, global batch) from its first row (its latest run's)
-
-
-def read_overrides(path: Path) -> dict[str, str]:
-    """``.hydra/overrides.yaml`` is a YAML list of ``key=value`` strings (one per line, ``- ``)."""
-    out = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line.startswith("- "):
-            item = line[2:].strip().strip("'\"")
-            key, _, value = item.partition("=")
-            out[key] = value
-    return out
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -110,9 +99,8 @@ def summarise(rows: list[dict]) -> dict:
 
 def collect(sweep: Path) -> list[Job]:
     jobs = []
-    for overrides in sorted(Path(sweep).glob("**/.hydra/overrides.yaml"), key=job_order):
-        job_dir = overrides.parent.parent
-        job = Job(str(job_dir.relative_to(sweep)) or ".", read_overrides(overrides))
+    for job_dir, overrides in sorted(record.jobs(Path(sweep)), key=job_order):
+        job = Job(str(job_dir.relative_to(sweep)) or ".", record.read_overrides(overrides))
         metrics = job_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
         if not rows:
@@ -130,8 +118,8 @@ def collect(sweep: Path) -> list[Job]:
     return jobs
 
 
-def job_order(path: Path):
-    parts = path.parent.parent.parts
+def job_order(found: tuple[Path, Path]):
+    parts = found[0].parts
     return [(0, int(p)) if p.isdigit() else (1, p) for p in parts]  # 2 before 10
 
 
@@ -318,7 +306,7 @@ def report(sweep: str | Path, out: str | Path | None = None) -> dict[str, Path]:
                                 "or one run's (outputs/<date>/<time>)")
     jobs = collect(sweep)
     if not jobs:
-        raise FileNotFoundError(f"no job directories (with .hydra/overrides.yaml) under {sweep}")
+        raise FileNotFoundError(f"no job directories (with {record.RECORD}/{record.OVERRIDES}) under {sweep}")
     out = Path(out or sweep)
     out.mkdir(parents=True, exist_ok=True)
     written = {"md": out / "report.md", "csv": out / "report.csv"}

@@ -60,7 +60,7 @@ def ending(end: RunEnded, signals: Signals, record: Record | None, run_dir: Path
         return f"looplib: error: {what}; the last complete checkpoint stays (resume=auto continues from it)"
     if isinstance(end, DiskFull):
         saved = run_dir is not None and complete_checkpoint(run_dir / "checkpoints")
-        return (f"looplib: error: {end.strerror}; free some space (or write elsewhere: hydra.run.dir=..., "
+        return (f"looplib: error: {end.strerror}; free some space (or write elsewhere: another run directory, "
                 "LOOPLIB_CACHE=...) and run the command again " +
                 ("(resume=auto continues from the last complete checkpoint)" if saved else
                  "(no checkpoint of this run is complete: it starts again at step 0)"))

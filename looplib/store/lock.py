@@ -10,7 +10,7 @@ process id, since when), exit status 2, having written nothing.
   a crashed run never leaves its directory held. The file stays behind only then; it holds no
   state (the next run locks it again and writes its own name into it).
 - One thread holds a directory once: ``hold`` is re-entrant within the thread that holds it (the
-  command line's Hydra callback takes it before Hydra writes ``.hydra/``, ``looplib.run.session.Session``
+  command line's callback takes it before the job writes its record, ``looplib.run.session.Session``
   again, for ``train_model``, a sweep's job and tune's candidates alike) and the last
   ``release`` removes the file and unlocks it. Another thread of the same process (two
   ``train_model`` calls at once) is refused like another process.
@@ -86,10 +86,11 @@ def holder(fd: int) -> str:
     return "a process that has not said who it is yet"
 
 
-def hold(run_dir: Path, key: str = "hydra.run.dir", label: str | None = None) -> Held:
+def hold(run_dir: Path, key: str = "run_dir", label: str | None = None, made: bool = False) -> Held:
     """Hold ``run_dir`` for this run (made if missing: the lock file lives in it), or refuse
     (``DirectoryHeld``, one line naming the holder; nothing written). Re-entrant in one process.
-    ``label``: how the refusal names the directory (default: its path)."""
+    ``key``: the setting the refusal names; ``label``: how it names the directory (default: its
+    path); ``made``: the caller made the directory for this run just before (see ``made_here``)."""
     run_dir = Path(run_dir).absolute()
     named = label or str(run_dir)
     held = _HELD.get(run_dir)
@@ -100,7 +101,7 @@ def hold(run_dir: Path, key: str = "hydra.run.dir", label: str | None = None) ->
         raise DirectoryHeld(key, f"{named} is held by another run of this process (pid {os.getpid()}, another "
                             "thread): two runs in one directory would write over each other's checkpoints and metrics",
                             f"wait for that run to end, or give another directory ({key}=...)")
-    made = not run_dir.exists()
+    made = made or not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = lock_path(run_dir)
     while True:
@@ -219,6 +220,13 @@ def release(run_dir: Path) -> None:
             run_dir.rmdir()  # a run that wrote nothing (refused before training) leaves no directory behind
         except OSError:
             pass
+
+
+def made_here(run_dir: Path) -> bool:
+    """Whether this process holds ``run_dir`` and made it for the run that holds it (a run that
+    ended before writing a result may then remove it whole)."""
+    held = _HELD.get(Path(run_dir).absolute())
+    return held is not None and held.made
 
 
 def holds(run_dir: Path) -> bool:

@@ -38,7 +38,7 @@ log = logging.getLogger("looplib")
 # Keys whose change does not alter the training trajectory: accepted on resume, and reported.
 SAFE_TO_CHANGE = ("max_steps", "log_every", "eval_every", "eval_samples", "eval_batches", "sample_tokens", "progress",
                   "resume", "checkpoint", "max_bad_steps", "loader.num_workers", "loader.pin_memory",
-                  "loader.persistent_workers", "loader.prefetch_factor", "hydra")
+                  "loader.persistent_workers", "loader.prefetch_factor")
 
 
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -253,7 +253,7 @@ def resume(checkpoints: Checkpoints, state: TrainState, where: str, run_dir: Pat
     path = resumed.path
     if path is None:  # resume=auto (locate refused a PATH that holds none)
         log.warning("resume=auto: no valid checkpoint in %s yet, starting at step 0 (to continue an earlier "
-                    "run, pass its directory: hydra.run.dir=...)", run_dir)
+                    "run, give its directory as the run directory)", run_dir)
     else:
         if not resumed.finishing:
             check_steps(path, resumed.checked["step"], max_steps, run_dir)

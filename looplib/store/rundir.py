@@ -1,13 +1,15 @@
 """The run directory: never write into another run's results, never leave a half-written one.
 
-The rules, with no Hydra in them (``train_model`` checks its ``run_dir`` here; the command line's
-Hydra callback ``looplib.cli.guard.RunDirGuard`` applies them before Hydra writes anything):
+The rules (``train_model`` checks its ``run_dir`` here; the command line applies them in
+``looplib.cli.guard`` before anything is written):
 
-- a directory that already holds a run's results (anything but Hydra's own ``.hydra/`` and
-  ``*.log``: checkpoints, metrics.jsonl, model.safetensors, ...) is refused unless the job
-  continues that run (``resume=auto``, or ``resume=PATH`` inside it);
+- a directory that already holds a run's results (anything but hidden entries and ``*.log``:
+  checkpoints, metrics.jsonl, model.safetensors, ...) is refused unless the job continues that
+  run (``resume=auto``, or ``resume=PATH`` inside it). Hidden entries are bookkeeping: the lock
+  (``looplib.store.lock``) and the record a front end keeps of the command that started the run
+  (the command line's, see ``looplib.cli.guard``); a caller names any other such file (``besides``);
 - a directory that cannot be made or written (a file in its place, a read-only parent) is
-  refused with one line instead of Hydra's traceback.
+  refused with one line instead of a traceback.
 
 Every rank checks rank 0's directory, so under torchrun every rank refuses alike (exit 2).
 ``forget`` removes what a run wrote into a directory that was empty before it, when the run
@@ -23,21 +25,17 @@ from ..atomic import write_atomic
 from ..process.launcher import launched_rank
 from ..errors import ConfigError
 from .checkpoint_dir import step_dirs
-from .lock import LOCK_NAME, DirectoryHeld, held_by
+from .lock import DirectoryHeld, held_by
 
-HYDRA_OWN = (".hydra", "multirun.yaml")  # and *.log: what Hydra writes before a job starts
-NOT_RESULTS = (*HYDRA_OWN, LOCK_NAME)  # the lock file of the run holding the directory (looplib.store.lock)
-
-
-def results(path: Path) -> list[str]:
-    """What ``path`` holds besides Hydra's own files (sorted names; [] for a new directory). A
-    subdirectory counts only if it holds something itself (a sweep's job directories hold
-    only Hydra's files until their jobs run; under torchrun rank 0's Hydra may have written
-    them before another rank looks)."""
+def results(path: Path, besides: tuple[str, ...] = ()) -> list[str]:
+    """What ``path`` holds besides bookkeeping (hidden entries, logs, the names ``besides``):
+    sorted names; [] for a new directory. A subdirectory counts only if it holds something
+    itself (a sweep's job directories hold only bookkeeping until their jobs run; under torchrun
+    rank 0 may have made them before another rank looks)."""
     if not path.is_dir():
         return []
-    return sorted(p.name for p in path.iterdir() if p.name not in NOT_RESULTS and not p.name.endswith(".log")
-                  and not (p.is_dir() and not p.is_symlink() and not results(p)))
+    return sorted(p.name for p in path.iterdir() if not p.name.startswith(".") and p.name not in besides
+                  and not p.name.endswith(".log") and not (p.is_dir() and not p.is_symlink() and not results(p)))
 
 
 def unwritable(path: Path) -> str | None:
@@ -52,13 +50,14 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def check(path: Path, resume: str | None, key: str) -> None:
-    """Refuse a run directory that cannot be written or holds another run (``ConfigError``)."""
+def check(path: Path, resume: str | None, key: str, besides: tuple[str, ...] = ()) -> None:
+    """Refuse a run directory that cannot be written or holds another run (``ConfigError``);
+    ``besides``: names that are no results there (``results``)."""
     why = unwritable(path)
     if why:
         raise ConfigError(key, f"cannot write the run directory {path}: {why}",
                           f"give a writable directory ({key}=...)")
-    held = results(path)
+    held = results(path, besides)
     if not held:
         return
     inside = resume and resume != "auto" and Path(resume).resolve().is_relative_to(path.resolve())
@@ -86,19 +85,6 @@ def write_exit_status(status: int, every_rank: bool = False) -> None:
     path = os.environ.get("LOOPLIB_EXIT_FILE")
     if path and (every_rank or launched_rank() == 0):
         write_atomic(path, f"{status}\n")
-
-
-def continued(overrides: list[str]) -> list[str]:
-    """The overrides of a command that continues a run, shell-quoted: ``overrides`` with the last
-    value of each key kept (in the order last given), no run directory, ``resume=auto`` last."""
-    import shlex
-    merged: dict[str, str] = {}
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key not in ("resume", "hydra.run.dir"):
-            merged.pop(key, None)
-            merged[key] = override
-    return [*map(shlex.quote, merged.values()), "resume=auto"]
 
 
 EXPORTS = ("model.safetensors", "adapter", "hf")  # what a finished run exports (one of them), each written whole
@@ -142,44 +128,9 @@ def latest_resumable(root: Path, max_steps: int | None = None) -> tuple[Path, in
     return None
 
 
-def snapshot(path: Path) -> dict[str, bytes | int]:
-    """What Hydra is about to rewrite in an existing run directory: the bytes of ``.hydra/*`` and
-    the length of each log file (appended to), so that a refused command can put them back."""
-    held: dict[str, bytes | int] = {}
-    if path.is_dir():
-        for f in sorted((path / ".hydra").glob("*")) if (path / ".hydra").is_dir() else ():
-            if f.is_file():
-                held[str(f.relative_to(path))] = f.read_bytes()
-        for f in path.glob("*.log"):
-            held[f.name] = f.stat().st_size
-    return held
-
-
-def restore(path: Path, held: dict[str, bytes | int]) -> None:
-    """Undo what a refused command wrote into an existing run directory (``snapshot``'s files
-    byte for byte, logs cut back to their length; files it added removed)."""
-    hydra = path / ".hydra"
-    for f in sorted(hydra.glob("*")) if hydra.is_dir() else ():
-        if str(f.relative_to(path)) not in held and f.is_file():
-            f.unlink()
-    for f in path.glob("*.log"):
-        if f.name not in held:
-            f.unlink()
-    for name, was in held.items():
-        f = path / name
-        if isinstance(was, int):
-            if f.exists() and f.stat().st_size != was:
-                os.truncate(f, was)
-        elif not f.exists() or f.read_bytes() != was:
-            f.parent.mkdir(exist_ok=True)
-            write_atomic(f, was)
-    if hydra.is_dir() and not any(hydra.iterdir()) and not any(k.startswith(".hydra/") for k in held):
-        hydra.rmdir()
-
-
 def forget(path: Path, fresh: bool) -> None:
     """After a run that ended before training: remove what it wrote. A directory that held
-    nothing before the run (``fresh``) is removed whole; otherwise only Hydra's files of this
+    nothing before the run (``fresh``) is removed whole; otherwise only the bookkeeping of this
     attempt would be new, and the directory is left as it is."""
     if not fresh or not path.is_dir():
         return
@@ -193,7 +144,7 @@ def forget(path: Path, fresh: bool) -> None:
     except OSError:
         return
     here = Path.cwd().resolve()
-    for parent in path.resolve().parents:  # outputs/<date>/ that Hydra made for it, if now empty
+    for parent in path.resolve().parents:  # outputs/<date>/ made for it, if now empty
         if parent == here or here not in parent.parents:
             break
         try:

@@ -274,3 +274,57 @@ def test_the_console_script_goes_through_the_same_layer(tmp_path):
     assert line.startswith("looplib: error: optim: there is no option 'adam'; did you mean adamw or adam8bit "
                            "(+optim=adamw)? the options are: "), line
     assert everything(tmp_path) == []
+
+
+def test_the_plus_is_decided_by_the_config_not_by_hydras_message():
+    """``settle`` (before Hydra runs): a strategy group gets its ``+``; a key the composed config lacks
+    is appended (``++`` under a strategy group: added, or set where the option has it), also where
+    a sweep switches the group (the sweep's own config has no option yet); a ``+key`` the config has
+    set loses its ``+``; Hydra's own keys, deletions and values stay as typed."""
+    from looplib.cli.args import settle
+    assert settle(["precision=bf16", "max_step=3", "+max_steps=2", "optim.lr=1e-3", "+global_batch_size=8",
+                   "model.n_layr=2", "model.n_layer=2", "hydra.run.dir=x", "seed=1"]) == [
+        "+precision=bf16", "+max_step=3", "max_steps=2", "++optim.lr=1e-3", "+global_batch_size=8",
+        "+model.n_layr=2", "model.n_layer=2", "hydra.run.dir=x", "seed=1"]
+    assert settle(["+optim=sgd", "optim.lr=1e-3", "optim.momentum=0.8"]) == [
+        "+optim=sgd", "optim.lr=1e-3", "optim.momentum=0.8"]
+    assert settle(["-m", "optim=sgd,adamw", "optim.lr=1e-3", "lr=1,2"]) == [
+        "-m", "+optim=sgd,adamw", "++optim.lr=1e-3", "lr=1,2"]
+    # a user's config directory: its groups and options are the repository's too (examples/my_research)
+    conf = str(Path(__file__).parents[2] / "examples" / "my_research" / "conf")
+    assert settle(["--config-dir", conf, "optim=lion", "model=gru", "max_step=3"]) == [
+        "--config-dir", conf, "+optim=lion", "model=gru", "+max_step=3"]
+    from looplib.cli.args import Refusal
+    with pytest.raises(Refusal, match=r"^optim: there is no option 'lionn'; did you mean lion \(\+optim=lion\)\? "):
+        settle(["--config-dir", conf, "optim=lionn"])
+
+
+@pytest.mark.parametrize("args,line", [
+    (["-m", "+optim=sgd,adamm"], "optim: there is no option 'adamm'; did you mean adamw or adam8bit (+optim=adamw)? "),
+    (["-m", "model=tiny,gpt2_smal"], "model: there is no option 'gpt2_smal'; did you mean gpt2_small (model=gpt2_small)? "),
+    (["hydra/launcher=jobllib"], "hydra/launcher: there is no option 'jobllib'; did you mean joblib "),
+    (["precision=[bf16"], "precision: cannot read the argument '+precision=[bf16'"),
+    (["seed=range(1,3)"], "seed: 'seed=range(1,3)' is a sweep; add -m to run one job per value"),
+])
+def test_refusals_found_before_hydra_runs_with_a_hint(args, line):
+    """Every option a sweep names is checked (not only the first value Hydra composes first), the
+    closest option named from the config repository's own list; several values without -m said."""
+    from looplib.cli.args import Refusal, settle
+    with pytest.raises(Refusal) as refused:
+        settle(args)
+    assert refused.value.line.startswith(line), refused.value.line
+
+
+def test_no_private_hydra_api_and_no_hydra_message_read():
+    """Issue 42: looplib uses Hydra's public API only (no hydra._internal, no patched Hydra function)
+    and reads no Hydra error text (no pattern over Hydra's wording)."""
+    import looplib
+    root = Path(looplib.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        for bad in ("hydra._internal", "_save_config", "run_and_report", "BOUNDARY", "Could not override",
+                    "Ambiguous value", "To append to your"):
+            if bad in text:
+                found.append(f"{path.relative_to(root)}: {bad}")
+    assert found == []

@@ -179,11 +179,19 @@ def test_train_model_refuses_what_is_not_a_lock_file(tmp_path, kind):
     assert tree(tmp_path) == before and not lock.holds(run_dir)
 
 
-def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_writes(tmp_path):
+LAUNCHERS = [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=1"]]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=["basic", "joblib"])
+def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_writes(tmp_path, launcher):
     """Issue 43: a sweep re-submitted with resume=auto while its first job still runs. Its job 0
     directory is that live run's: refused in one line naming the job's directory (not only
     hydra.sweep.dir), exit 2, and the live run's .hydra/ (config.yaml, hydra.yaml, overrides.yaml)
-    byte for byte as it was (Hydra rewrote them before any callback ran)."""
+    byte for byte as it was (Hydra rewrote them before any callback ran). With the joblib launcher
+    the job runs in a worker process, where Hydra wrote .hydra/ before any callback: now the job
+    writes it, after the callback has held the directory, on every launcher."""
+    if launcher:
+        pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")
     from looplib.store.background import HOLD
     from test_faults import start, wait_for
     from conftest import run_cli
@@ -194,7 +202,7 @@ def test_a_sweep_job_pointed_into_a_live_runs_directory_is_refused_before_hydra_
         wait_for(live, "holding the checkpoint write of step 2")  # training, its directory held
         before = {p: p.read_bytes() for p in sorted((sweep / "0" / ".hydra").iterdir())}
         assert len(before) == 3
-        r = run_cli("-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+        r = run_cli("-m", *launcher, *args, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
         assert r.returncode == 2, r.stderr[-3000:]
         said = [line for line in r.stderr.splitlines() if line.startswith("looplib:")]
         assert len(said) == 1 and said[0].startswith(
