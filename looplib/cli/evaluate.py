@@ -127,26 +127,24 @@ def settings(args: list[str]) -> tuple[Sampling, list[int] | None, float, list[s
 
 def compose(overrides: list[str]):
     """looplib's config composed with the data and reward overrides, as ``python -m looplib.train``
-    composes it (both spellings of a group, Hydra's "+" advice followed)."""
+    composes it (both spellings of a group; the ``+`` of each key decided by whether the config
+    has it, ``looplib.cli.args.settle``)."""
     from hydra import compose as hydra_compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    from .args import explain, follow_advice, normalise
+    from .args import Refusal, explain, settle
     from .resolvers import register_resolvers
     register_resolvers()
-    job = normalise(list(overrides))
-    for _ in range(3):
-        try:
-            with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
-                return hydra_compose(config_name="config", overrides=job)
-        except (HydraException, OmegaConfBaseException) as err:
-            advised = follow_advice(str(err), job)
-            if advised is None or advised == job:
-                key, _, problem = explain(err).partition(": ")
-                raise ConfigError(key, problem, "give data.* and reward.* as python -m looplib.train takes them") \
-                    from None
-            job = advised
-    raise ConfigError("arguments", f"Hydra does not compose {' '.join(overrides)}", "check the overrides")
+    try:
+        job = settle(list(overrides))
+        with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=job)
+    except (Refusal, HydraException, OmegaConfBaseException) as err:
+        line = err.line if isinstance(err, Refusal) else explain(err)
+        key, _, problem = line.partition(": ")
+        problem, _, fix = problem.partition("; ")
+        raise ConfigError(key, problem, fix or "give data.* and reward.* as python -m looplib.train takes them") \
+            from None
 
 
 def chosen_reward(cfg):
