@@ -1,10 +1,21 @@
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# One thread a process unless OMP_NUM_THREADS says otherwise: pytest-xdist runs a worker per core, and
+# torch's default of a thread per core put two threads per worker on each core, spinning while they
+# waited for each other (tests/unit/test_loop_reference.py on 2 cores under load: 113 s of CPU with
+# two threads, 15 s with one). Set before torch is imported; the workers, their warm interpreters,
+# the commands the tests start and torchrun's ranks inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import warm
 import warm_ranks
@@ -92,11 +103,43 @@ def tracked_sweep(tmp_path_factory) -> Path:
 
 
 TIERS = ("unit", "cli", "dist")
+# The order files start in: the longest first, so that the two workers end together (pytest-xdist hands
+# out whole files in collection order under `--dist loadfile --no-loadscope-reorder`; its default order,
+# the most tests first, started one-test files such as the walkthrough last). A file's cost is its
+# seconds in tests/durations.json (LOOPLIB_TEST_DURATIONS=tests/durations.json python -m pytest writes
+# them afresh), else its number of tests times its tier's typical seconds a test.
+DURATIONS = Path(__file__).with_name("durations.json")
+SECONDS_A_TEST = {"dist": 8.0, "cli": 2.0, "unit": 0.3}
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Each test carries its tier's marker, from the folder it sits in (``-m unit``, ``-m "not dist"``)."""
+    """Each test carries its tier's marker, from the folder it sits in (``-m unit``, ``-m "not dist"``);
+    files run longest first, each file's tests in their own order."""
+    files: dict[str, list] = {}
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(tier)
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    def cost(name: str) -> float:
+        return known.get(name, SECONDS_A_TEST.get(Path(name).parent.name, 1.0) * len(files[name]))
+
+    items[:] = [item for name in sorted(files, key=lambda name: -cost(name)) for item in files[name]]
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each file's seconds (setup, call and teardown), for LOOPLIB_TEST_DURATIONS."""
+    name = report.nodeid.split("::", 1)[0]
+    _seconds[name] = _seconds.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("LOOPLIB_TEST_DURATIONS")
+    if path and _seconds and not hasattr(session.config, "workerinput"):  # the controller, or -n 0
+        Path(path).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items())}, indent=0) + "\n")

@@ -1,4 +1,5 @@
 """Exact resume, crash-safe checkpoints, the bad-step rule: in process."""
+import functools
 import json
 import os
 import pickle
@@ -74,6 +75,16 @@ def session(prec_name, opt_name, root, seed, every=0, objective=None, max_bad=0)
     return model, epochs, ckpt, rows, kwargs
 
 
+@functools.cache
+def uninterrupted(prec_name, opt_name):
+    """The uninterrupted run's losses by step and final weights: one run for the three interruption
+    points of a precision x optimizer (it takes no checkpoint, so nothing of it depends on them)."""
+    model, epochs, _, full_rows, kw = session(prec_name, opt_name, None, seed=0)
+    fit(model, epochs, max_steps=STEPS, **kw)
+    full = {r["step"]: r["loss"] for r in full_rows if "loss" in r}
+    return full, {k: v.clone() for k, v in model.state_dict().items()}
+
+
 @pytest.mark.parametrize("where", list(INTERRUPTIONS))
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("prec_name", list(PRECISIONS))
@@ -81,11 +92,7 @@ def test_resume_continues_exactly(prec_name, opt_name, where, tmp_path):
     if opt_name == "adam8bit":
         pytest.importorskip("bitsandbytes")
     saved_at, crash_in_window = INTERRUPTIONS[where]
-    # the uninterrupted run
-    model, epochs, _, full_rows, kw = session(prec_name, opt_name, None, seed=0)
-    fit(model, epochs, max_steps=STEPS, **kw)
-    full = {r["step"]: r["loss"] for r in full_rows if "loss" in r}
-    final = {k: v.clone() for k, v in model.state_dict().items()}
+    full, final = uninterrupted(prec_name, opt_name)
 
     # the interrupted run: checkpoints every `saved_at` steps, dies after (or inside) the next step
     model, epochs, ckpt, _, kw = session(prec_name, opt_name, tmp_path, seed=0, every=saved_at)
