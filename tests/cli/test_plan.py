@@ -182,3 +182,23 @@ def test_under_lora_gradients_and_optimizer_state_are_planned_for_the_adapter_on
     assert plan.gradients == sum(p.grad.untyped_storage().nbytes() for p in trainable)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     assert plan.optim_state == real_state_bytes(opt) > 0
+
+
+def test_the_plan_prints_the_teachers_row(tmp_path):
+    from safetensors.torch import save_model
+
+    from conftest import tiny_gpt
+    from looplib.plan.render import render
+    teacher = tiny_gpt(vocab=512)
+    save_model(teacher, str(tmp_path / "model.safetensors"))
+    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["data=random", "data.vocab_size=512", "loss=distill",
+                                                       f"loss.teacher={tmp_path}", "loss.teacher_dtype=bfloat16",
+                                                       "batch_size=4"])
+        with_teacher = build_plan(cfg, memory=2**30)
+        without = build_plan(compose(config_name="config", overrides=["data=random", "data.vocab_size=512",
+                                                                      "batch_size=4"]), memory=2**30)
+    size = 2 * sum(p.numel() for p in teacher.parameters())
+    assert with_teacher.reference == size and with_teacher.static - without.static == size
+    row = next(line for line in render(with_teacher).splitlines() if "distillation teacher" in line)
+    assert str(tmp_path) in row and "bfloat16" in row

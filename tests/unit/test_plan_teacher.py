@@ -27,23 +27,3 @@ def test_the_teacher_is_counted_as_the_run_holds_it(tmp_path):
         assert count == n * size
         unread = Distill(teacher=str(tmp_path), teacher_dtype=dtype)
         assert unread.unread and teacher_bytes(unread) == (count, f"{tmp_path} in {dtype}")
-
-
-def test_the_plan_prints_the_teachers_row(tmp_path):
-    from hydra import compose, initialize_config_module
-
-    from looplib.cli.plan import build_plan
-    from looplib.plan.render import render
-    teacher = tiny_gpt(vocab=512)
-    save_model(teacher, str(tmp_path / "model.safetensors"))
-    with initialize_config_module(config_module="looplib.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["data=random", "data.vocab_size=512", "loss=distill",
-                                                       f"loss.teacher={tmp_path}", "loss.teacher_dtype=bfloat16",
-                                                       "batch_size=4"])
-        with_teacher = build_plan(cfg, memory=2**30)
-        without = build_plan(compose(config_name="config", overrides=["data=random", "data.vocab_size=512",
-                                                                      "batch_size=4"]), memory=2**30)
-    size = 2 * sum(p.numel() for p in teacher.parameters())
-    assert with_teacher.reference == size and with_teacher.static - without.static == size
-    row = next(line for line in render(with_teacher).splitlines() if "distillation teacher" in line)
-    assert str(tmp_path) in row and "bfloat16" in row

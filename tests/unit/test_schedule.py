@@ -57,18 +57,6 @@ def test_a_warm_up_as_long_as_the_run_is_refused_by_every_schedule_with_one(sche
     schedule.check(schedule.warmup_steps + 1)  # one step past the warm-up: accepted
 
 
-@pytest.mark.parametrize("args", [["+schedule=cosine", "max_steps=10"],
-                                  ["+schedule=linear", "schedule.warmup_steps=50", "max_steps=40"]])
-def test_the_command_line_refuses_a_run_spent_in_warm_up(tmp_path, args):
-    from conftest import run_cli
-    r = run_cli("data=random", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert r.returncode == 2 and r.stdout == "", r.stderr
-    line = r.stderr.strip()
-    assert "\n" not in line and line.startswith("looplib: error: schedule.warmup_steps: the warm-up") and \
-        "lower schedule.warmup_steps below max_steps" in line
-    assert not (tmp_path / "run").exists()
-
-
 def test_a_resume_to_fewer_steps_than_the_warm_up_is_refused(tmp_path):
     from looplib import train_model
     from conftest import random_tokens, tiny_gpt
@@ -102,15 +90,3 @@ def test_a_resume_that_moves_the_schedule_says_what_the_lr_does(tmp_path, caplog
     assert f"{wsd.factor(10, 12):.4g} x lr to 1 x lr (back out of its cool-down)" in said[0]
     assert result.state.step == 24
     assert WarmupCosine(warmup_steps=2).moved(10, 12, 12) is None  # max_steps kept: nothing to say
-
-
-def test_a_grid_sweep_with_one_job_spent_in_warm_up_is_refused_before_any_job_runs(tmp_path):
-    from conftest import run_cli
-    r = run_cli("-m", "max_steps=30,10", "+schedule=cosine", "data=random", "model.n_layer=1", "model.d_model=32",
-                "model.n_head=2", "model.seq_len=16", "batch_size=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-                cwd=tmp_path)
-    assert r.returncode == 2, r.stderr
-    line = r.stderr.strip()
-    assert "\n" not in line and line.startswith("looplib: error: schedule.warmup_steps: the warm-up (25 steps)")
-    assert "(in job 1 of the 2: max_steps=10" in line and line.endswith("no job of the sweep has run")
-    assert not (tmp_path / "sweep").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -211,3 +212,13 @@ def test_the_bundled_gpt_declares_the_lora_targets_peft_names():
     from looplib import GPT_LINEARS
     from looplib.models.gpt import GPT
     assert tuple(GPT.lora_targets) == tuple(GPT_LINEARS)
+
+
+def test_the_unit_tier_starts_no_process_and_imports_no_hydra():
+    """tests/unit is the developer's quick check (issue 42): in-process, no subprocess, no Hydra, no
+    command line. A test that needs one of them lives in tests/cli or tests/dist."""
+    unit = Path(__file__).resolve().parent
+    pattern = re.compile(r"^\s*(import (hydra|subprocess)\b|from (hydra|subprocess|looplib\.cli)\b|"
+                         r"from conftest import .*\brun_cli\b)", re.M)
+    found = {f.name: m.group(0).strip() for f in sorted(unit.glob("*.py")) for m in [pattern.search(f.read_text())] if m}
+    assert found == {}, f"move these tests to tests/cli: {found}"
