@@ -52,7 +52,7 @@ def test_local_engine_cli_path_equals_train_model(tmp_path):
     saved, cli = (read_config(tmp_path / "local" / way / "config.yaml") for way in ("api", "cli"))
     assert saved["max_steps"] == cli["max_steps"] == 4
     assert saved["optim"]["_target_"] == cli["optim"]["_target_"] == "looplib.optim.AdamW"
-    assert saved["engine"] == {"_target_": "looplib.engines.local.Engine"}  # nothing per process: no rank, no device
+    assert saved["engine"] == {"_target_": "looplib.engines.Engine"}  # nothing per process: no rank, no device
 
 
 @pytest.mark.slow
@@ -82,7 +82,7 @@ def test_train_model_under_torchrun_without_an_engine_trains_ddp_as_the_command_
     cli, api = tmp_path / "none" / "cli", tmp_path / "none" / "api"
     same_run(cli, api, ranks=(0, 1))  # checkpoints step-2 and step-4 only, in each
     from looplib.store.checkpoint_dir import read_config
-    assert read_config(api / "config.yaml")["engine"]["_target_"] == "looplib.engines.ddp.DDP"
+    assert read_config(api / "config.yaml")["engine"]["_target_"] == "looplib.engines.DDP"  # the package export, as conf/ names it
     assert read_config(cli / "config.yaml")["engine"]["_target_"] == "looplib.engines.DDP"  # (said: test_launch_default)
 
 
