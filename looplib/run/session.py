@@ -125,12 +125,16 @@ class Session:
 
     def close(self, job: Job, trained: Trained) -> Trained:
         """The engine closed (a collective under DDP and DeepSpeed: only once every rank got
-        here); a run stopped by a signal, saved at a step boundary, ends as ``Interrupted``."""
+        here); a run stopped by a signal, saved at a step boundary, ends as ``Interrupted``: on the
+        rank that got the signal and on every rank that stopped with it (exit 75 there too; a run
+        that did not finish never exits 0, whichever rank its launcher or scheduler signalled)."""
         self.signals.finish()
         job.engine.close()
         self.closed = True
         if trained.state.preempted and self.signals.signum is not None:
             raise Interrupted(self.signals.signum, trained)
+        if trained.state.preempted and self.signals.peer_signalled:  # stopped with a rank that was signalled
+            raise Interrupted(None, trained)  # (not finished: 75 like that rank, never 0)
         return trained
 
     def end(self, err: BaseException) -> None:

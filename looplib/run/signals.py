@@ -91,6 +91,7 @@ class Signals:
         self.training = False            # deferred() was entered: the run got as far as training
         self.finished = False            # set by finish(): later signals are ignored
         self.reason: str | None = None   # stop(): the run's own reason to stop early (no signal)
+        self.peer_signalled = False      # the stop was agreed with a rank that got a signal (Checkpoints)
         self._previous: dict = {}
         self.watch: LauncherWatch | None = None  # a launcher's worker: its launcher, watched
 

@@ -203,7 +203,8 @@ def report_stop(signals: Signals, state: TrainState, record: Record, run_dir: Pa
     if signals.signum is None and signals.reason:  # the run's own stop (a sweep's pruner): nothing to continue
         log.warning("stopped at step %d: %s%s", state.step, signals.reason, "; checkpoint saved" if saved else "")
         return
-    what = "interrupted (Ctrl-C)" if signals.status == EXIT_INTERRUPTED else f"preempted ({signals.name})"
+    what = "interrupted (Ctrl-C)" if signals.status == EXIT_INTERRUPTED else \
+        f"preempted ({signals.name})" if signals.signum is not None else "stopped with another rank, which a signal stopped"
     if not saved:
         log.warning("%s at step %d: no checkpoints (checkpoint.enabled=false or no run directory), so nothing "
                     "was saved", what, state.step)

@@ -69,12 +69,17 @@ class Checkpoints:
     def after_step(self, state: TrainState) -> bool:
         """Apply the bad-step rule, save when due or preempted. True: stop the loop now."""
         requested = self.preemption is not None and self.preemption.requested
+        signalled = self.preemption is not None and self.preemption.signum is not None
         if self.background is not None:  # a failed background write is agreed with the stop, in one all-reduce
-            stop, failed = self.engine.ranks.any_of(requested, self.background.failed)
+            stop, signalled, failed = self.engine.ranks.any_of(requested, signalled, self.background.failed)
             if failed:
                 self.settle()  # raises SaveError on every rank
+        elif self.preemption is not None:  # whether any rank was signalled too (not only stopped for a reason)
+            stop, signalled = self.engine.ranks.any_of(requested, signalled)
         else:
-            stop = self.preemption is not None and self.any_rank(requested)
+            stop = False
+        if stop and signalled:
+            self.preemption.peer_signalled = True  # a rank without a signal of its own ends as the signalled one
         due = stop or bool(self.every and state.step % self.every == 0)
         # a streak counted on the device is read when saving and every check_every steps (the
         # logging steps, which sync anyway); one counted on the host, at every step

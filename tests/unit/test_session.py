@@ -120,3 +120,36 @@ def test_every_rule_between_strategies_is_asked_from_the_one_list(monkeypatch):
         check(job.parts, job.settings)
     monkeypatch.setattr(rules, "RULES", [r for r in rules.RULES if "warm-up" not in r.name])
     check(job.parts, job.settings)  # nothing else refuses it
+
+
+class PeerSignalled(Ranks):
+    """One process's collectives, but another rank has been signalled: the checkpoints' agreement on
+    a stop (requested, signalled) says yes to both; any other agreement is this process's own."""
+
+    def any_of(self, *flags):
+        return [True, True] if len(flags) == 2 else [bool(f) for f in flags]
+
+
+class StoppedByPeer(Engine):
+    collectives = PeerSignalled
+
+    def __init__(self):
+        super().__init__("cpu")
+
+
+def test_a_rank_stopped_with_a_signalled_rank_saves_and_ends_as_preempted_not_finished(tmp_path, caplog):
+    """Issue 43: a rank stopped by agreement, without a signal of its own (only rank 0 signalled, or
+    another node's launcher gone), saved and exited 0 as if the run had finished. It now ends as the
+    signalled rank does: Interrupted, exit 75, its checkpoint saved, and rank 0 says how to continue."""
+    import logging
+
+    from looplib.errors import EXIT_PREEMPTED, Interrupted
+    job = spec([], max_steps=4, checkpoint={"enabled": True, "every_steps": 0})
+    job.parts.engine = StoppedByPeer()
+    with caplog.at_level(logging.WARNING, logger="looplib"), pytest.raises(Interrupted) as stopped:
+        with Session(tmp_path / "run", Signals(), fresh=True) as session:
+            session.run(job)
+    assert stopped.value.status == EXIT_PREEMPTED and stopped.value.result.state.step == 1
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-00000001"]
+    assert any("stopped with another rank" in r.getMessage() and "Continue with" in r.getMessage()
+               for r in caplog.records)
