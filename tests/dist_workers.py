@@ -91,13 +91,46 @@ def set_env(rank: int, world: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def spawn(fn, world: int, out: Path, *args) -> None:
+def spawn(fn, world: int, out: Path, *args, attempts: int = 2) -> None:
     """``fn(rank, world, port, out, *args)`` on ``world`` processes, each a fork of the warm interpreter
-    (tests/warm.py's fork server) run in this process's environment and working directory as it is now."""
+    (tests/warm.py's fork server) run in this process's environment and working directory as it is now.
+
+    A run whose ranks hang (``watchdog``) is run once more, with a warning that carries every rank's
+    stacks: CI once saw a gloo all-gather never complete after half an hour (FSDP2 on CPU, not
+    reproduced in 40 runs under load); a second hang fails the test with the stacks."""
     import warm
     warm.context()  # the fork server, with torch, torch._dynamo and looplib imported (started once)
-    mp.start_processes(in_env, args=(dict(os.environ), os.getcwd(), fn, world, free_port(), str(out), *args),
-                       nprocs=world, join=True, start_method="forkserver")
+    for attempt in range(1, attempts + 1):
+        for old in Path(out).glob(".stacks-rank*.txt"):
+            old.unlink()
+        try:
+            mp.start_processes(in_env, args=(dict(os.environ), os.getcwd(), fn, world, free_port(), str(out), *args),
+                               nprocs=world, join=True, start_method="forkserver")
+            return
+        except Exception as e:
+            stacks = sorted(Path(out).glob(".stacks-rank*.txt"))
+            if not any(p.stat().st_size for p in stacks):
+                raise  # a rank failed: its own traceback
+            report = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in stacks)
+            if attempt == attempts:
+                raise AssertionError(f"ranks hung {attempts} times; their stacks:\n{report}") from e
+            import warnings
+            warnings.warn(f"ranks hung (run again); their stacks:\n{report}")
+
+
+def watchdog(rank: int, out: str) -> None:
+    """A rank still running after ``LOOPLIB_TEST_RANK_WATCHDOG`` seconds (default 5 minutes; every
+    spawned test takes seconds) writes every thread's stack to ``out/.stacks-rank{rank}.txt``, and
+    is ended by SIGALRM five seconds later (time for the other ranks to write theirs before the
+    join ends them): a collective that never completes fails the test in minutes, with where each
+    rank was, not after the process group's 30-minute timeout with one rank's traceback. Both
+    timers are the kernel's and faulthandler's, so they fire while a rank holds the GIL."""
+    import faulthandler
+    import signal
+    limit = int(os.environ.get("LOOPLIB_TEST_RANK_WATCHDOG", 300))
+    f = open(Path(out) / f".stacks-rank{rank}.txt", "w")  # kept open: faulthandler writes to its fd
+    faulthandler.dump_traceback_later(limit, exit=False, file=f)
+    signal.alarm(limit + 5)  # no handler: the default action ends the process
 
 
 def in_env(rank: int, env: dict, cwd: str, fn, *args) -> None:
@@ -110,6 +143,7 @@ def in_env(rank: int, env: dict, cwd: str, fn, *args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     os.chdir(cwd)
+    watchdog(rank, args[2])  # args: world, port, out, ...
     fn(rank, *args)
 
 
