@@ -5,7 +5,7 @@ start would cost a warm start as much as a cold one with many files, so ``file_d
 an index under ``$LOOPLIB_CACHE/index/`` (one per list of files): each file's size, mtime,
 ctime and inode when it was hashed, with its digest (and whether it is UTF-8, for plain text
 read strictly). A file whose four values are unchanged is not read again; any other is hashed
-again. ``file_digests`` holds a lock (``lock.py``) on the list's first file while its caller builds the data
+again. ``file_digests`` holds the list's lock (``lock.py``: ``locks/index-NAME``) while its caller builds the data
 (``then``) and writes the index only after that succeeds, so a refused run writes nothing, and
 the other ranks of a launch wait, then find every file in the index and read none again.
 
@@ -45,7 +45,7 @@ def file_digests(files: list[Path], key="data.path", utf8=None, root: Path | Non
         return []
     folder = (root or cache_root()) / "index"
     name = hashlib.sha256("\n".join(map(str, files)).encode()).hexdigest()[:20]
-    with building(folder.parent, "", f"the data of {len(files)} files", on=files[0]):  # (its first file's lock)
+    with building(folder.parent, f"index-{name}", f"the data of {len(files)} files"):  # (one lock per list)
         return indexed(files, key_of, utf8, folder / f"{name}.json", then)
 
 

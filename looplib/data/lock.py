@@ -11,7 +11,8 @@ the ranks waiting for it read its refusal rather than build the same entry to re
 A cache where no lock file can be made (read-only) is used unlocked.
 
 The lock files stay (empty; removing one while another process waits on it would let two
-builders in). The digests of a list of files (``index.py``) are locked on its first file itself.
+builders in). The digests of a list of files (``index.py``) have one lock per list (two lists
+that share a file do not wait on each other).
 """
 from __future__ import annotations
 
@@ -30,18 +31,14 @@ POLL_S = 0.2   # a waiter tries the lock again this often (in Python: signals an
 
 
 @contextmanager
-def building(root: Path, name: str, what: str, on: Path | None = None):
-    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first);
-    ``on``: lock that existing file instead (opened read-only: nothing is created)."""
-    fd, path = None, on if on is not None else root / "locks" / name
+def building(root: Path, name: str, what: str):
+    """Hold the lock of the entry ``name`` under ``root`` for the block (waiting for it first)."""
+    fd, path = None, root / "locks" / name
     if path in _KEPT:  # this process refused while building it (a sweep's next job): let go of it
         os.close(_KEPT.pop(path))
     try:
-        if on is not None:
-            fd = os.open(on, os.O_RDONLY | os.O_CLOEXEC)
-        else:
-            (root / "locks").mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        (root / "locks").mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError:
         pass  # (no lock to be had: build unlocked, as before)
     try:

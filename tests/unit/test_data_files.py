@@ -416,3 +416,46 @@ def test_every_bad_input_is_one_line_and_leaves_no_cache(tmp_path, tok_file, tok
     replaced = TextCorpus(str(tmp_path / "latin1.txt"), 2, eval_fraction=0, errors="replace", tokenizer=str(tok_file),
                           vocab_size=tok.get_vocab_size())
     assert "caf\ufffd" in replaced.decode(replaced.train.tokens.read(0, len(replaced.train.tokens)).tolist())
+
+
+def test_two_lists_of_files_that_share_a_file_do_not_wait_on_each_other(tmp_path, caplog):
+    """The digests' index holds one lock per list of files (looplib.data.index): a list that only
+    shares its first file with one being built does not wait for it; the same list does."""
+    import logging
+    import threading
+
+    from looplib.data.index import file_digests
+
+    a, b, c = (tmp_path / f"{n}.txt" for n in "abc")
+    for f in (a, b, c):
+        f.write_text(f"{f.name}\n")
+    root = tmp_path / "cache"
+    inside, leave = threading.Event(), threading.Event()
+
+    def held(digests):  # the first list's build, still going
+        inside.set()
+        assert leave.wait(60)
+
+    builder = threading.Thread(target=file_digests, args=([a, b],), kwargs=dict(root=root, then=held))
+    builder.start()
+    assert inside.wait(60)
+    try:
+        waited = lambda: any("waiting for another process" in r.getMessage() for r in caplog.records)  # noqa: E731
+        with caplog.at_level(logging.WARNING, logger="looplib"):
+            got = []
+            other = threading.Thread(target=lambda: got.append(file_digests([a, c], root=root)))
+            other.start()
+            while other.is_alive() and not waited():
+                threading.Event().wait(0.05)
+            assert not waited()  # it finished while [a, b] is held, without waiting
+            assert len(got[0]) == 2 and got[0][0] != got[0][1]
+            same = threading.Thread(target=file_digests, args=([a, b],), kwargs=dict(root=root))
+            same.start()
+            while not waited():
+                assert same.is_alive()  # the same list waits for the lock rather than finish
+                threading.Event().wait(0.05)
+    finally:
+        leave.set()
+        builder.join()
+    same.join()
+    other.join()
